@@ -1,0 +1,181 @@
+"""Implementation registry and selection, for the forward pass and the gradient.
+
+`implementation=None` tries the op's default order for the current target
+(always ending in "xla"); a name or a list of names tries only those and raises
+if none can handle the call. When the chosen forward's VJP cannot handle the
+call, None falls back to another VJP that accepts the same residuals, else to
+differentiating the XLA reference; a named implementation raises instead (when
+the gradient is traced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tokamax._src import op as op_lib
+from tokamax._src import platform
+
+OpFactory = Callable[[], op_lib.Op]
+
+_REGISTRY: dict[str, dict[str, OpFactory]] = {}
+_DEFAULT_ORDER: dict[str, Callable[[platform.Target], list[str]]] = {}
+
+
+def register(op_name: str, implementation: str, factory: OpFactory) -> None:
+  """Registers `factory` as `implementation` of `op_name` (replacing any)."""
+  _REGISTRY.setdefault(op_name, {})[implementation] = factory
+
+
+def unregister(op_name: str, implementation: str) -> None:
+  _REGISTRY.get(op_name, {}).pop(implementation, None)
+
+
+def set_default_order(
+    op_name: str, order: Callable[[platform.Target], list[str]]
+) -> None:
+  _DEFAULT_ORDER[op_name] = order
+
+
+def implementations(op_name: str) -> tuple[str, ...]:
+  """Names of the registered implementations of `op_name`."""
+  return tuple(_REGISTRY[op_name])
+
+
+def default_order(op_name: str) -> list[str]:
+  """Implementations tried by `implementation=None` on the current target."""
+  order = list(_DEFAULT_ORDER[op_name](platform.current_target()))
+  if order[-1:] != ["xla"]:
+    order.append("xla")
+  return order
+
+
+def _requested(op_name: str, implementation: Any) -> tuple[list[str], bool]:
+  if implementation is None:
+    return default_order(op_name), False
+  if isinstance(implementation, str):
+    names = [implementation]
+  elif isinstance(implementation, Sequence) and implementation and all(
+      isinstance(n, str) for n in implementation
+  ):
+    names = list(implementation)
+  else:
+    raise TypeError(
+        f"{op_name}: implementation must be None, a name or a non-empty list"
+        f" of names; got {implementation!r}."
+    )
+  known = implementations(op_name)
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(
+        f"{op_name}: unknown implementation(s) {unknown}; known: {list(known)}."
+    )
+  return names, True
+
+
+def select(
+    op_name: str, implementation: Any, args: tuple, kwargs: dict
+) -> op_lib.BoundArguments:
+  """Validates the arguments and returns them bound to the chosen op."""
+  names, named = _requested(op_name, implementation)
+  # The XLA reference validates and canonicalises; every implementation of
+  # an op shares its canonical arguments.
+  reference = _REGISTRY[op_name]["xla"]()
+  ref_ba = reference.bind(*args, **kwargs)
+
+  errors: list[NotImplementedError] = []
+  for i, name in enumerate(names):
+    op = _REGISTRY[op_name][name]()
+    ba = dataclasses.replace(ref_ba, op=op)
+    try:
+      op.check_supported(ba)
+    except NotImplementedError as e:
+      errors.append(e)
+      continue
+    if not named and op.vjp is not None:
+      op = dataclasses.replace(op, vjp=_fallback_vjp(op, ba, names[i + 1:]))
+      ba = dataclasses.replace(ba, op=op)
+    return ba
+  if len(errors) == 1:
+    raise errors[0]
+  raise ExceptionGroup(
+      f"No implementation of {op_name} among {names} can handle this call",
+      errors,
+  )
+
+
+def _fallback_vjp(
+    op: op_lib.Op, ba: op_lib.BoundArguments, later: list[str]
+) -> op_lib.Op:
+  """`op.vjp` if it supports `ba`, else a later compatible VJP, else autodiff."""
+  candidates = [op.vjp]
+  for name in later:
+    other = _REGISTRY[op.op_name][name]()
+    if other.vjp is not None and other.residuals_kind == op.residuals_kind:
+      candidates.append(other.vjp)
+  for vjp in candidates:
+    try:
+      vjp.check_supported(ba)
+      return vjp
+    except NotImplementedError:
+      continue
+  return op_lib.AutodiffVjp(forward=_REGISTRY[op.op_name]["xla"]())
+
+
+def call(op_name: str, implementation: Any, args: tuple, kwargs: dict):
+  """Selects an implementation and runs it."""
+  ba = select(op_name, implementation, args, kwargs)
+  return ba.restore(ba.op.call_bound(ba))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedKernel(op_lib.Op):
+  """An implementation name whose kernel has not landed yet.
+
+  It always refuses with the reason, so `implementation=None` skips it and a
+  named call fails clearly.
+  """
+
+  requires_capability: tuple[int, int] = (8, 0)
+  exact_capability: bool = False
+  tracked_in: str = ""
+
+  def _bind(self, *args, **kwargs):
+    raise NotImplementedError(self.describe())
+
+  def _fwd(self, **kwargs):
+    raise NotImplementedError(self.describe())
+
+  def check_supported(self, ba: op_lib.BoundArguments) -> None:
+    target = platform.current_target()
+    if not target.is_nvidia_gpu:
+      raise self.unsupported(
+          f"requires an NVIDIA GPU, but the target is {target.describe()}."
+      )
+    cc = target.compute_capability
+    needed = self.requires_capability
+    if (cc != needed) if self.exact_capability else (cc < needed):
+      raise self.unsupported(
+          f"requires sm_{needed[0]}{needed[1]}"
+          f"{'' if self.exact_capability else ' or newer'}, but the target is"
+          f" {target.describe()}."
+      )
+    raise self.unsupported(
+        f"the kernel is not implemented yet ({self.tracked_in})."
+    )
+
+
+def planned(
+    op_name: str, implementation: str, tracked_in: str,
+    requires_capability=(8, 0), exact_capability=False,
+) -> OpFactory:
+  cls = type(
+      f"Planned_{op_name}_{implementation}", (PlannedKernel,),
+      {"op_name": op_name, "implementation": implementation},
+  )
+  cls = dataclasses.dataclass(frozen=True)(cls)
+  return lambda: cls(
+      requires_capability=requires_capability,
+      exact_capability=exact_capability, tracked_in=tracked_in,
+  )

@@ -1,0 +1,290 @@
+"""The Op core: bound arguments, config resolution and gradient wiring.
+
+An `Op` is a frozen dataclass. Subclasses declare:
+
+* `array_args`: names of the (possibly None) array arguments, in order;
+* `config_cls`: the frozen config dataclass (plain or pydantic);
+* `_bind(*args, **kwargs)`: validate user arguments and return the canonical
+  arguments (arrays and static values) plus a function that restores the
+  user-facing output layout;
+* `_fwd(**canonical, config, return_residuals) -> (out, residuals)`;
+* optionally `vjp`, another Op computing gradients from the residuals.
+
+The XLA reference of an op is the base class; kernels override `_fwd`,
+`check_supported` and the config methods.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokamax._src import platform
+
+
+@dataclasses.dataclass(frozen=True)
+class NoConfig:
+  """Config of ops that have nothing to tune."""
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or (
+      hasattr(x, "shape") and hasattr(x, "dtype")
+  )
+
+
+def abstractify(x: Any) -> Any:
+  """Arrays to ShapeDtypeStruct (hashable); everything else unchanged."""
+  if x is None or not _is_array(x):
+    return x
+  return jax.ShapeDtypeStruct(tuple(x.shape), jnp.dtype(x.dtype))
+
+
+def _key_value(x: Any) -> Any:
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return {"shape": list(x.shape), "dtype": str(x.dtype)}
+  if isinstance(x, tuple):
+    return [_key_value(v) for v in x]
+  if x is None or isinstance(x, (bool, int, float, str)):
+    return x
+  return repr(x)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BoundArguments:
+  """An op with validated, canonical arguments.
+
+  Equality and hashing use the op's class, its config and the abstract
+  (shape/dtype) arguments, so a `BoundArguments` is a cache key.
+
+  Attributes:
+    op: the op the arguments are bound to.
+    arguments: canonical arguments by name (arrays, None, static values).
+    restore: maps the canonical output back to the user's layout.
+  """
+
+  op: "Op"
+  arguments: Mapping[str, Any]
+  restore: Callable[[Any], Any] = dataclasses.field(
+      default=lambda out: out, repr=False
+  )
+
+  @property
+  def abstract_arguments(self) -> dict[str, Any]:
+    return {k: abstractify(v) for k, v in self.arguments.items()}
+
+  @property
+  def key(self) -> str:
+    """A stable JSON key of the op name and abstract arguments."""
+    payload = {k: _key_value(v) for k, v in self.abstract_arguments.items()}
+    return json.dumps(payload, sort_keys=True)
+
+  def _identity(self):
+    return (type(self.op), self.op.config, self.key)
+
+  def __hash__(self) -> int:
+    return hash(self._identity())
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, BoundArguments):
+      return NotImplemented
+    return self._identity() == other._identity()
+
+  @property
+  def arrays(self) -> dict[str, Any]:
+    return {n: self.arguments[n] for n in self.op.array_args}
+
+  @property
+  def static(self) -> dict[str, Any]:
+    return {
+        n: v for n, v in self.arguments.items() if n not in self.op.array_args
+    }
+
+
+# Config sources consulted between a pinned config and the heuristics, in
+# order (autotuning contexts, caches). Each returns a config or None.
+CONFIG_SOURCES: list[Callable[[BoundArguments], Any]] = []
+
+
+def resolve_config(ba: BoundArguments) -> Any:
+  """Pinned config, else the first config source that answers, else heuristics."""
+  if ba.op.config is not None:
+    return ba.op.config
+  for source in CONFIG_SOURCES:
+    config = source(ba)
+    if config is not None:
+      return config
+  return ba.op._get_heuristics_config(ba)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op(abc.ABC):
+  """Base class of every tokamax op and implementation.
+
+  Attributes:
+    config: a pinned config; None resolves one per call (see resolve_config).
+    vjp: the op computing gradients from this op's residuals; None means JAX
+      differentiates `_fwd` itself.
+  """
+
+  config: Any = None
+  vjp: "Op | None" = None
+
+  op_name: ClassVar[str] = "op"
+  implementation: ClassVar[str] = "xla"
+  array_args: ClassVar[tuple[str, ...]] = ()
+  config_cls: ClassVar[type] = NoConfig
+  # Ops whose VJPs accept each other's residuals share a residuals_kind.
+  residuals_kind: ClassVar[str | None] = None
+  # For VJP ops: whether the forward output must be saved for the gradient.
+  uses_out: ClassVar[bool] = True
+
+  def __post_init__(self):
+    if self.config is not None and not isinstance(self.config, self.config_cls):
+      raise TypeError(
+          f"{type(self).__name__}.config must be a {self.config_cls.__name__},"
+          f" got {type(self.config).__name__}."
+      )
+
+  # --- subclass API ------------------------------------------------------
+
+  @abc.abstractmethod
+  def _bind(
+      self, *args, **kwargs
+  ) -> tuple[dict[str, Any], Callable[[Any], Any]]:
+    """Validates user arguments; returns (canonical arguments, restore)."""
+
+  @abc.abstractmethod
+  def _fwd(self, *, config: Any, return_residuals: bool, **kwargs):
+    """Computes (out, residuals) from canonical arguments."""
+
+  def _get_heuristics_config(self, ba: BoundArguments) -> Any:
+    del ba
+    return self.config_cls()
+
+  def _get_autotuning_configs(self, ba: BoundArguments) -> set[Any]:
+    """The autotuning search space (the heuristic config is always added)."""
+    del ba
+    return set()
+
+  def supported_on(self, device: platform.Target | jax.Device) -> bool:
+    """Whether this implementation can run on `device` at all."""
+    del device
+    return True
+
+  def check_supported(self, ba: BoundArguments) -> None:
+    """Raises NotImplementedError (with the reason) if `ba` is unsupported.
+
+    For a VJP op, `ba` is the bound arguments of the forward op.
+    """
+    target = platform.current_target()
+    if not self.supported_on(target):
+      raise self.unsupported(f"does not run on {target.describe()}.")
+
+  def describe(self) -> str:
+    return f"{self.op_name} implementation {self.implementation!r}"
+
+  def unsupported(self, reason: str) -> NotImplementedError:
+    """The error for a call this implementation cannot handle."""
+    return NotImplementedError(f"{self.describe()}: {reason}")
+
+  # --- calling -----------------------------------------------------------
+
+  def bind(self, *args, **kwargs) -> BoundArguments:
+    arguments, restore = self._bind(*args, **kwargs)
+    return BoundArguments(op=self, arguments=arguments, restore=restore)
+
+  def __call__(self, *args, **kwargs):
+    ba = self.bind(*args, **kwargs)
+    self.check_supported(ba)
+    return ba.restore(self.call_bound(ba))
+
+  def call_bound(self, ba: BoundArguments, *, return_residuals: bool = False):
+    """Runs the op on canonical arguments (gradients via `self.vjp`)."""
+    config = resolve_config(ba)
+    static = ba.static
+    if self.vjp is None or return_residuals:
+      out, residuals = self._fwd(
+          **ba.arrays, **static, config=config,
+          return_residuals=return_residuals,
+      )
+      return (out, residuals) if return_residuals else out
+
+    vjp_op = self.vjp
+
+    @jax.custom_vjp
+    def run(arrays):
+      out, _ = self._fwd(
+          **arrays, **static, config=config, return_residuals=False
+      )
+      return out
+
+    def run_fwd(arrays):
+      out, residuals = self._fwd(
+          **arrays, **static, config=config, return_residuals=True
+      )
+      return out, (residuals, out if vjp_op.uses_out else None, arrays)
+
+    def run_bwd(saved, dout):
+      residuals, out, arrays = saved
+      fwd_ba = BoundArguments(op=self, arguments={**arrays, **static})
+      vjp_op.check_supported(fwd_ba)
+      vjp_ba = vjp_op.bind(residuals, out, dout, **arrays, **static)
+      grads = vjp_op.call_bound(vjp_ba)
+      return ({n: grads.get(n) for n in arrays},)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(ba.arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutodiffVjp(Op):
+  """VJP that differentiates the XLA reference `forward` from the primals.
+
+  Used as the gradient fallback when a kernel's own VJP cannot handle a call;
+  it ignores the residuals and recomputes the forward in XLA.
+  """
+
+  forward: Op | None = None
+
+  @property
+  def op_name(self) -> str:  # type: ignore[override]
+    return self.forward.op_name
+
+  implementation: ClassVar[str] = "xla"
+  uses_out: ClassVar[bool] = False
+
+  def _bind(self, residuals, out, dout, **kwargs):
+    arguments = dict(residuals=residuals, out=out, dout=dout, **kwargs)
+    return arguments, lambda grads: grads
+
+  @property
+  def array_args(self) -> tuple[str, ...]:  # type: ignore[override]
+    return ("residuals", "out", "dout") + tuple(self.forward.array_args)
+
+  def _fwd(self, *, residuals, out, dout, config, return_residuals, **kwargs):
+    del residuals, out, config, return_residuals
+    names = self.forward.array_args
+    arrays = {n: kwargs.pop(n) for n in names}
+    diff = {
+        n: a for n, a in arrays.items()
+        if a is not None and jnp.issubdtype(a.dtype, jnp.inexact)
+    }
+
+    def f(diff_arrays):
+      merged = {**arrays, **diff_arrays}
+      return self.forward._fwd(
+          **merged, **kwargs, config=self.forward.config_cls(),
+          return_residuals=False,
+      )[0]
+
+    _, pullback = jax.vjp(f, diff)
+    (grads,) = pullback(dout)
+    return grads, None

@@ -1,0 +1,158 @@
+"""The "cudnn" implementation: `jax.nn.dot_product_attention(implementation='cudnn')`.
+
+Our canonical arguments map onto jax.nn's; what cuDNN (or jax.nn's wrapper)
+cannot express raises NotImplementedError: logits soft cap, f32/f64, a value
+head dim different from the key's, causal with T != S (cuDNN does not promise
+our top-left alignment), windows other than (left, 0) or causal + left.
+Whatever else jax.nn rejects is found by tracing it (forward in
+`check_supported`, gradient in the VJP's `check_supported`).
+
+Rows that see no key are zeroed here, so the semantics match "xla".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tokamax._src import op as op_lib
+from tokamax._src import platform
+from tokamax.ops.attention import xla as base
+
+
+def _jax_nn_function(args):
+  """f(query, key, value, bias) calling jax.nn with cuDNN, plus row zeroing."""
+  left_right = args["local_window_size"]
+  causal = args["is_causal"]
+  window = None
+  if left_right is not None:
+    left, right = left_right
+    if left is None:
+      # Only (None, 0) reaches here: plain causal.
+      causal = True
+    else:
+      window = (left, 0)
+      causal = True
+  mask = args["mask"]
+  q_len, kv_len = args["query_seq_lengths"], args["key_value_seq_lengths"]
+
+  def f(query, key, value, bias):
+    out = jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=args["scale"], is_causal=causal,
+        query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+        local_window_size=window, implementation="cudnn",
+    )
+    t, s = query.shape[1], key.shape[1]
+    if mask is not None or kv_len is not None or q_len is not None:
+      valid = base.visible(
+          jnp.arange(t), jnp.arange(s),
+          mask=base.heads_view(mask, key.shape[2]), query_seq_lengths=q_len,
+          key_value_seq_lengths=kv_len, is_causal=args["is_causal"],
+          local_window_size=left_right,
+      )
+      rows = jnp.any(valid, axis=-1)  # [B|1, K|1, G|1, T]
+      rows = jnp.broadcast_to(
+          rows, (rows.shape[0], key.shape[2], query.shape[2] // key.shape[2], t)
+      ).reshape(rows.shape[0], query.shape[2], t)
+      out = jnp.where(jnp.moveaxis(rows, -1, 1)[..., None], out, 0)
+    return out
+
+  return f
+
+
+def _abstract(args):
+  return {
+      n: op_lib.abstractify(args[n]) for n in ("query", "key", "value", "bias")
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnDotProductAttentionVjp(op_lib.Op):
+  """Applies the pullback saved by the cuDNN forward."""
+
+  op_name = "dot_product_attention_vjp"
+  implementation = "cudnn"
+  array_args = ("residuals", "out", "dout") + base.DotProductAttention.array_args
+  residuals_kind = "cudnn_pullback"
+  uses_out = False
+
+  def _bind(self, residuals, out, dout, **arguments):
+    return dict(residuals=residuals, out=out, dout=dout, **arguments), (
+        lambda grads: grads
+    )
+
+  def check_supported(self, ba):
+    args = ba.arguments
+    f = _jax_nn_function(args)
+    abstract = _abstract(args)
+    out = jax.ShapeDtypeStruct(
+        (*args["query"].shape[:3], args["value"].shape[3]), args["query"].dtype
+    )
+
+    def grads(query, key, value, bias, dout):
+      return jax.vjp(f, query, key, value, bias)[1](dout)
+
+    try:
+      jax.eval_shape(grads, **abstract, dout=out)
+    except Exception as e:  # jax.nn raises ValueError/RuntimeError.
+      raise self.unsupported(f"cuDNN cannot differentiate this call: {e}") from e
+
+  def _fwd(self, *, residuals, out, dout, config, return_residuals, **args):
+    del out, config, return_residuals, args
+    dq, dk, dv, dbias = residuals(dout)
+    return {"query": dq, "key": dk, "value": dv, "bias": dbias}, None
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnDotProductAttention(base.DotProductAttention):
+  """cuDNN flash attention through jax.nn."""
+
+  implementation = "cudnn"
+  residuals_kind = "cudnn_pullback"
+  vjp: op_lib.Op | None = dataclasses.field(
+      default_factory=CudnnDotProductAttentionVjp
+  )
+
+  def supported_on(self, device) -> bool:
+    if isinstance(device, platform.Target):
+      return device.is_nvidia_gpu and device.compute_capability >= (8, 0)
+    return device.platform == "gpu"
+
+  def check_supported(self, ba):
+    super().check_supported(ba)
+    args = ba.arguments
+    q, k, v = args["query"], args["key"], args["value"]
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+      raise self.unsupported(f"cuDNN needs bf16 or f16 inputs, got {q.dtype}.")
+    if args["logits_soft_cap"] is not None:
+      raise self.unsupported("cuDNN has no logits soft cap.")
+    if v.shape[3] != q.shape[3]:
+      raise self.unsupported("value and key head dims must match for cuDNN.")
+    if args["is_causal"] and q.shape[1] != k.shape[1]:
+      raise self.unsupported(
+          "causal attention with T != S is top-left aligned here; cuDNN does"
+          " not promise that alignment."
+      )
+    window = args["local_window_size"]
+    if window is not None:
+      left, right = window
+      if left is None and not (right == 0 or args["is_causal"]):
+        raise self.unsupported("cuDNN needs a finite left window.")
+      if left is not None and right != 0 and not args["is_causal"]:
+        raise self.unsupported(
+            "cuDNN supports a right window only as 0 or with is_causal."
+        )
+    try:
+      jax.eval_shape(_jax_nn_function(args), **_abstract(args))
+    except Exception as e:  # jax.nn raises ValueError/RuntimeError.
+      raise self.unsupported(f"jax.nn refused the call: {e}") from e
+
+  def _fwd(self, *, config, return_residuals, **args):
+    del config
+    f = _jax_nn_function(args)
+    arrays = [args[n] for n in ("query", "key", "value", "bias")]
+    if return_residuals:
+      return jax.vjp(f, *arrays)
+    return f(*arrays), None
