@@ -1,0 +1,307 @@
+"""dot_product_attention: one test base, run for every implementation."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+from tokamax.ops.attention import xla_chunked
+from tests import reference
+
+F32, BF16, F16, F64 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """Shapes and features of one attention call (user layout)."""
+
+  batch: tuple[int, ...] = (2,)
+  t: int = 40
+  s: int = 40
+  n: int = 2
+  kh: int = 2
+  h: int = 32
+  hv: int | None = None
+  bias: tuple[int, ...] | None = None  # shape; "full" uses [*B, N, T, S]
+  mask: tuple[int, ...] | None = None
+  q_lens: bool = False
+  kv_lens: bool = False
+  kwargs: tuple = ()  # static keyword arguments as (name, value) pairs
+
+
+def _full(c):
+  return (*c.batch, c.n, c.t, c.s)
+
+
+FEATURES = {
+    "plain": Case(),
+    "causal": Case(kwargs=(("is_causal", True),)),
+    "bias_full": Case(bias=("full",)),
+    "bias_broadcast": Case(bias=(1, 2, 1, 40)),
+    "bias_rank2": Case(bias=(40, 40)),
+    "mask": Case(mask=("full",)),
+    "mask_broadcast": Case(mask=(2, 1, 40, 40)),
+    "q_lens": Case(q_lens=True),
+    "kv_lens": Case(kv_lens=True),
+    "window": Case(kwargs=(("local_window_size", 5),)),
+    "window_left_right": Case(kwargs=(("local_window_size", (7, 3)),)),
+    "window_left_causal": Case(
+        kwargs=(("local_window_size", (6, None)), ("is_causal", True))
+    ),
+    "soft_cap": Case(kwargs=(("logits_soft_cap", 2.0), ("scale", 0.5))),
+    "scale": Case(kwargs=(("scale", 0.3),)),
+    "gqa": Case(n=4, kh=2),
+    "mqa": Case(n=4, kh=1),
+    "t_ne_s": Case(t=24, s=56),
+    "t_ne_s_causal": Case(t=56, s=24, kwargs=(("is_causal", True),)),
+    "odd_sizes": Case(batch=(1,), t=77, s=130, h=80),
+    "value_head_dim": Case(h=32, hv=48),
+    "no_batch": Case(batch=()),
+    "two_batch_dims": Case(batch=(2, 3), t=24, s=24),
+    "combined": Case(
+        n=4, kh=2, t=48, s=64, bias=("full",), mask=("full",), q_lens=True,
+        kv_lens=True,
+        kwargs=(
+            ("is_causal", True), ("local_window_size", (20, 0)),
+            ("logits_soft_cap", 3.0),
+        ),
+    ),
+    "combined_no_batch": Case(
+        batch=(), bias=(2, 1, 40), mask=(40, 40),
+        kwargs=(("local_window_size", (9, 4)), ("logits_soft_cap", 1.5)),
+    ),
+}
+
+
+def make_inputs(c: Case, dtype, seed: int):
+  """Random inputs (never zeros); masks hide ~30% and one full query row."""
+  ks = jax.random.split(jax.random.key(seed), 8)
+  hv = c.hv or c.h
+  q = jax.random.normal(ks[0], (*c.batch, c.t, c.n, c.h), dtype)
+  k = jax.random.normal(ks[1], (*c.batch, c.s, c.kh, c.h), dtype)
+  v = jax.random.normal(ks[2], (*c.batch, c.s, c.kh, hv), dtype)
+  args = dict(query=q, key=k, value=v)
+  if c.bias is not None:
+    shape = _full(c) if c.bias == ("full",) else c.bias
+    args["bias"] = jax.random.normal(ks[3], shape, dtype)
+  if c.mask is not None:
+    shape = _full(c) if c.mask == ("full",) else c.mask
+    mask = np.array(jax.random.uniform(ks[4], shape) > 0.3)
+    mask[..., min(3, shape[-2] - 1), :] = False  # a query row that sees nothing
+    args["mask"] = jnp.asarray(mask)
+  if c.q_lens:
+    args["query_seq_lengths"] = jax.random.randint(ks[5], c.batch, 1, c.t + 1)
+  if c.kv_lens:
+    lens = np.array(jax.random.randint(ks[6], c.batch, 1, c.s + 1))
+    if lens.size > 1:
+      lens.reshape(-1)[0] = 0  # a batch element that sees no key at all
+    args["key_value_seq_lengths"] = jnp.asarray(lens, jnp.int32)
+  return args, dict(c.kwargs), ks[7]
+
+
+def _split(args):
+  diff = {n: a for n, a in args.items() if n in ("query", "key", "value", "bias")}
+  rest = {n: a for n, a in args.items() if n not in diff}
+  return diff, rest
+
+
+class AttentionTestBase:
+  """Subclasses set `implementation` (and optionally a pinned `op`)."""
+
+  implementation: str = "xla"
+  op: tokamax.Op | None = None
+  dtypes = (F32, BF16, F16)
+  unsupported: frozenset[str] = frozenset()  # features that must raise
+  seed = 0
+
+  def attention(self, *args, **kwargs):
+    if self.op is not None:
+      return self.op(*args, **kwargs)
+    return tokamax.dot_product_attention(
+        *args, implementation=self.implementation, **kwargs
+    )
+
+  def check(self, case: Case, dtype, feature="", seed=None):
+    seed = self.seed if seed is None else seed
+    args, kwargs, ct_key = make_inputs(case, dtype, seed)
+    if feature in self.unsupported:
+      with pytest.raises(NotImplementedError, match=self.implementation):
+        self.attention(**args, **kwargs)
+      return
+    diff, rest = _split(args)
+    fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
+
+    out = jax.jit(lambda d: self.attention(**d, **rest, **kwargs))(diff)
+    ref = reference.attention(**args, **kwargs)
+    assert out.dtype == jnp.dtype(dtype)
+    reference.assert_close(out, ref, fwd_tol, "forward")
+
+    ct = jax.random.normal(ct_key, out.shape, jnp.float32)
+
+    def loss(d):
+      o = self.attention(**d, **rest, **kwargs)
+      return jnp.sum(o.astype(jnp.float32) * ct)
+
+    def ref_loss(d):
+      return jnp.sum(reference.attention(**d, **rest, **kwargs) * ct)
+
+    grads = jax.jit(jax.grad(loss))(diff)
+    ref_grads = jax.grad(ref_loss)({n: reference.f64(a) for n, a in diff.items()})
+    for name in diff:
+      assert grads[name].dtype == diff[name].dtype
+      reference.assert_close(grads[name], ref_grads[name], grad_tol, f"d{name}")
+
+  @pytest.mark.parametrize("feature", sorted(FEATURES))
+  @pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=lambda d: jnp.dtype(d).name)
+  def test_feature(self, feature, dtype):
+    if dtype not in self.dtypes:
+      with pytest.raises(NotImplementedError, match=self.implementation):
+        args, kwargs, _ = make_inputs(FEATURES[feature], dtype, self.seed)
+        self.attention(**args, **kwargs)
+      return
+    self.check(FEATURES[feature], dtype, feature)
+
+  def test_fully_masked_rows_are_zero_with_zero_gradient(self):
+    dtype = self.dtypes[0]
+    c = Case(batch=(2,), t=16, s=24, q_lens=True, kv_lens=True)
+    args, _, _ = make_inputs(c, dtype, self.seed + 1)
+    args["query_seq_lengths"] = jnp.array([16, 5], jnp.int32)
+    args["key_value_seq_lengths"] = jnp.array([0, 24], jnp.int32)
+    diff, rest = _split(args)
+    f = lambda d: self.attention(**d, **rest)
+    out = f(diff)
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(out[1, 5:], np.float32), 0.0)
+    grads = jax.grad(lambda d: jnp.sum(f(d).astype(jnp.float32) ** 2))(diff)
+    assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads.values())
+    np.testing.assert_array_equal(np.asarray(grads["query"][0], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(grads["query"][1, 5:], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(grads["key"][0], np.float32), 0.0)
+
+  def test_vmap(self):
+    dtype = self.dtypes[0]
+    c = Case(batch=(3, 2), t=24, s=32, n=4, kh=2, kwargs=(("is_causal", True),))
+    args, kwargs, _ = make_inputs(c, dtype, self.seed + 2)
+    diff, _ = _split(args)
+    out = jax.vmap(lambda d: self.attention(**d, **kwargs))(diff)
+    ref = reference.attention(**args, **kwargs)
+    reference.assert_close(out, ref, reference.TOLERANCE[jnp.dtype(dtype)][0])
+    grads = jax.vmap(jax.grad(
+        lambda d: jnp.sum(self.attention(**d, **kwargs).astype(jnp.float32))
+    ))(diff)
+    ref_grads = jax.grad(
+        lambda d: jnp.sum(reference.attention(**d, **kwargs))
+    )({n: reference.f64(a) for n, a in diff.items()})
+    for name in diff:
+      reference.assert_close(
+          grads[name], ref_grads[name], reference.TOLERANCE[jnp.dtype(dtype)][1],
+          name,
+      )
+
+  def test_fresh_inputs_each_seed(self):
+    # The same function on other random inputs (guards against lucky data).
+    for seed in (11, 12):
+      self.check(FEATURES["combined"], self.dtypes[0], "combined", seed=seed)
+
+  # --- errors: raised before any kernel, for every implementation name ---
+
+  @pytest.mark.parametrize(
+      "change, error, match",
+      [
+          (dict(query=np.ones((4, 2, 8), np.int32)), TypeError, "floating"),
+          (dict(query=jnp.ones((4, 8))), ValueError, "rank"),
+          (dict(key=jnp.ones((2, 9, 2, 8))), ValueError, "batch dims"),
+          (dict(key=jnp.ones((3, 9, 2, 16))), ValueError, "head dims"),
+          (dict(value=jnp.ones((3, 7, 2, 8))), ValueError, "sequence length"),
+          (dict(key=jnp.ones((3, 9, 3, 8)), value=jnp.ones((3, 9, 3, 8))),
+           ValueError, "multiple"),
+          (dict(value=jnp.ones((3, 9, 2, 8), jnp.float16)), TypeError, "share"),
+          (dict(bias=jnp.ones((3, 4, 5, 7))), ValueError, "broadcastable"),
+          (dict(bias=jnp.ones((1, 3, 4, 5, 9))), ValueError, "rank"),
+          (dict(bias=jnp.ones((5, 9), jnp.int32)), TypeError, "floating"),
+          (dict(mask=jnp.ones((5, 9), jnp.float32)), TypeError, "bool"),
+          (dict(mask=jnp.ones((5, 8), bool)), ValueError, "broadcastable"),
+          (dict(query_seq_lengths=jnp.ones((4,), jnp.int32)), ValueError,
+           "batch shape"),
+          (dict(key_value_seq_lengths=jnp.ones((3,))), TypeError, "integer"),
+          (dict(local_window_size=-1), ValueError, "non-negative"),
+          (dict(local_window_size=(2, -3)), ValueError, "non-negative"),
+          (dict(local_window_size=(1, 2, 3)), TypeError, "local_window_size"),
+          (dict(logits_soft_cap=0.0), ValueError, "positive"),
+          (dict(scale="x"), TypeError, "scale"),
+          (dict(is_causal=1), TypeError, "is_causal"),
+          (dict(query=[1.0]), TypeError, "array"),
+      ],
+  )
+  def test_bad_input(self, change, error, match):
+    args = dict(
+        query=jnp.ones((3, 5, 4, 8)), key=jnp.ones((3, 9, 2, 8)),
+        value=jnp.ones((3, 9, 2, 8)),
+    )
+    args.update(change)
+    with pytest.raises(error, match=match):
+      self.attention(**args)
+
+
+class TestXla(AttentionTestBase):
+  implementation = "xla"
+  dtypes = (F32, BF16, F16, F64)
+
+  @hypothesis.settings(max_examples=12, deadline=None)
+  @hypothesis.given(
+      b=st.integers(1, 2), t=st.integers(1, 33), s=st.integers(1, 33),
+      kh=st.integers(1, 2), g=st.integers(1, 3), h=st.sampled_from([8, 16, 24]),
+      causal=st.booleans(),
+  )
+  def test_hypothesis_shapes(self, b, t, s, kh, g, h, causal):
+    c = Case(batch=(b,), t=t, s=s, n=kh * g, kh=kh, h=h,
+             kwargs=(("is_causal", causal),))
+    self.check(c, F32)
+
+
+class TestXlaChunked(AttentionTestBase):
+  implementation = "xla_chunked"
+  dtypes = (F32, BF16, F16, F64)
+
+
+class TestXlaChunkedSmallChunks(AttentionTestBase):
+  """Many chunks, sizes that do not divide T or S (padding paths)."""
+
+  implementation = "xla_chunked"
+  op = xla_chunked.ChunkedDotProductAttention(
+      config=xla_chunked.ChunkedAttentionConfig(q_chunk_size=16, kv_chunk_size=24)
+  )
+  dtypes = (F32, BF16, F16, F64)
+
+  @hypothesis.settings(max_examples=12, deadline=None)
+  @hypothesis.given(
+      t=st.integers(1, 40), s=st.integers(1, 40), tq=st.integers(1, 20),
+      sk=st.integers(1, 20), kh=st.integers(1, 2), g=st.integers(1, 2),
+      causal=st.booleans(), window=st.sampled_from([None, 3, (0, 5), (4, 0)]),
+      bias=st.booleans(),
+  )
+  def test_hypothesis_chunks(self, t, s, tq, sk, kh, g, causal, window, bias):
+    kwargs = (("is_causal", causal), ("local_window_size", window))
+    c = Case(batch=(2,), t=t, s=s, n=kh * g, kh=kh, h=8, kwargs=kwargs,
+             bias=(1, kh * g, t, s) if bias else None)
+    config = xla_chunked.ChunkedAttentionConfig(q_chunk_size=tq, kv_chunk_size=sk)
+    self.op = xla_chunked.ChunkedDotProductAttention(config=config)
+    self.check(c, F32)
+
+
+@pytest.mark.gpu
+class TestCudnn(AttentionTestBase):
+  implementation = "cudnn"
+  dtypes = (BF16, F16)
+  unsupported = frozenset({
+      "soft_cap", "t_ne_s_causal", "value_head_dim", "window", "window_left_right",
+      "combined", "combined_no_batch",
+  })
