@@ -255,7 +255,7 @@ class TestXla(AttentionTestBase):
   implementation = "xla"
   dtypes = (F32, BF16, F16, F64)
 
-  @hypothesis.settings(max_examples=12, deadline=None)
+  @hypothesis.settings(max_examples=8, deadline=None)
   @hypothesis.given(
       b=st.integers(1, 2), t=st.integers(1, 33), s=st.integers(1, 33),
       kh=st.integers(1, 2), g=st.integers(1, 3), h=st.sampled_from([8, 16, 24]),
@@ -281,7 +281,7 @@ class TestXlaChunkedSmallChunks(AttentionTestBase):
   )
   dtypes = (F32, BF16, F16, F64)
 
-  @hypothesis.settings(max_examples=12, deadline=None)
+  @hypothesis.settings(max_examples=8, deadline=None)
   @hypothesis.given(
       t=st.integers(1, 40), s=st.integers(1, 40), tq=st.integers(1, 20),
       sk=st.integers(1, 20), kh=st.integers(1, 2), g=st.integers(1, 2),

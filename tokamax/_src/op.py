@@ -241,7 +241,33 @@ class Op(abc.ABC):
       return ({n: grads.get(n) for n in arrays},)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(ba.arrays)
+    return run(_match_vma(ba.arrays))
+
+
+def _varying(a) -> frozenset:
+  """Mesh axes over which `a` varies inside shard_map (empty outside)."""
+  mat = getattr(jax.typeof(a), "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _match_vma(arrays: dict[str, Any]) -> dict[str, Any]:
+  """Inside shard_map, makes every input vary over the same mesh axes.
+
+  A custom VJP must return cotangents of its inputs' types; marking
+  invariant inputs (e.g. a replicated scale) varying first lets JAX insert
+  the psum of their cotangents outside the VJP (pcast's transpose).
+  """
+  leaves = [a for a in jax.tree.leaves(arrays)]
+  vmas = [_varying(a) for a in leaves]
+  union = frozenset().union(*vmas)
+  if not union:
+    return arrays
+
+  def cast(a):
+    missing = tuple(sorted(union - _varying(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+  return jax.tree.map(cast, arrays)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,7 +121,12 @@ class CudnnDotProductAttention(base.DotProductAttention):
     return device.platform == "gpu"
 
   def check_supported(self, ba):
-    super().check_supported(ba)
+    target = platform.current_target()
+    if not self.supported_on(target):
+      raise self.unsupported(
+          "requires an NVIDIA GPU (sm_80 or newer) with cuDNN, but the target"
+          f" is {target.describe()}."
+      )
     args = ba.arguments
     q, k, v = args["query"], args["key"], args["value"]
     if q.dtype not in (jnp.bfloat16, jnp.float16):

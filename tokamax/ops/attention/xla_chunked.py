@@ -235,17 +235,18 @@ class ChunkedDotProductAttentionVjp(op_lib.Op):
         ) * scale
         return dq, dbias, dk, dv
 
-      zeros_k = jnp.zeros((bsz, blk.sk, kv_heads, h), cd)
-      zeros_v = jnp.zeros((bsz, blk.sk, kv_heads, hv), cd)
+      zeros_k = jnp.zeros_like(kc, cd)
+      zeros_v = jnp.zeros_like(vc, cd)
       dq, dbias, dk, dv = _loop(blk.nq, q_step, (dq, dbias, zeros_k, zeros_v))
       dks = lax.dynamic_update_slice_in_dim(dks, dk, j * blk.sk, axis=1)
       dvs = lax.dynamic_update_slice_in_dim(dvs, dv, j * blk.sk, axis=1)
       return dq, dbias, dks, dvs
 
-    dq0 = jnp.zeros((bsz, blk.tp, n, h), cd)
-    dbias0 = None if bias is None else jnp.zeros(bias.shape, cd)
-    dk0 = jnp.zeros((bsz, blk.sp, kv_heads, h), cd)
-    dv0 = jnp.zeros((bsz, blk.sp, kv_heads, hv), cd)
+    # zeros_like keeps the inputs' shardings (explicit sharding mode).
+    dq0 = jnp.zeros_like(qp, cd)
+    dbias0 = None if bias is None else jnp.zeros_like(bias, cd)
+    dk0 = jnp.zeros_like(kp, cd)
+    dv0 = jnp.zeros_like(vp, cd)
     dq, dbias, dk, dv = _loop(blk.nk, kv_step, (dq0, dbias0, dk0, dv0))
     grads = {
         "query": dq[:, : blk.t].astype(q.dtype),

@@ -1,7 +1,7 @@
 """Layer norm / RMS norm: the XLA reference (base class of every implementation).
 
-Canonical form: x viewed as [pre, F, post] (a free reshape), normalised over
-axis 1; scale and offset of shape [F].
+Canonical form: x as given (no reshape, so sharded inputs keep their
+sharding) with a non-negative `axis`; scale and offset of shape [F].
 
   LayerNorm: y = (x - mean) * rsqrt(var + eps) * (scale + scale_offset) + offset
   RMSNorm (subtract_mean=False): y = x * rsqrt(mean(x^2) + eps) * (...) + offset
@@ -13,7 +13,6 @@ dtype. `scale_offset` applies only when a scale is given.
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 
 import jax
@@ -67,36 +66,39 @@ class LayerNorm(op_lib.Op):
       raise TypeError(
           f"layer_norm: subtract_mean must be a bool, got {subtract_mean!r}."
       )
-    shape = tuple(x.shape)
-    pre = math.prod(shape[:axis])
-    post = math.prod(shape[axis + 1:])
-    x3 = jnp.reshape(x, (pre, features, post))
     arguments = dict(
-        x=x3, scale=scale, offset=offset, epsilon=epsilon,
+        x=x, scale=scale, offset=offset, axis=axis, epsilon=epsilon,
         scale_offset=scale_offset, subtract_mean=subtract_mean,
     )
-    return arguments, lambda y: jnp.reshape(y, shape)
+    return arguments, lambda y: y
 
   def _fwd(
-      self, *, x, scale, offset, epsilon, scale_offset, subtract_mean,
+      self, *, x, scale, offset, axis, epsilon, scale_offset, subtract_mean,
       config, return_residuals,
   ):
     del config
     cd = compute_dtype(x.dtype)
     xf = x.astype(cd)
     if subtract_mean:
-      mean = jnp.mean(xf, axis=1, keepdims=True)
+      mean = jnp.mean(xf, axis=axis, keepdims=True)
       xc = xf - mean
     else:
       mean = None
       xc = xf
-    rstd = jax.lax.rsqrt(jnp.mean(xc * xc, axis=1, keepdims=True) + epsilon)
+    rstd = jax.lax.rsqrt(jnp.mean(xc * xc, axis=axis, keepdims=True) + epsilon)
     y = xc * rstd
     if scale is not None:
-      y = y * (scale.astype(cd) + scale_offset)[None, :, None]
+      y = y * _along(scale.astype(cd) + scale_offset, x.ndim, axis)
     if offset is not None:
-      y = y + offset.astype(cd)[None, :, None]
+      y = y + _along(offset.astype(cd), x.ndim, axis)
     return y.astype(x.dtype), ((mean, rstd) if return_residuals else None)
+
+
+def _along(p, ndim, axis):
+  """[F] -> broadcastable along `axis` of a rank-`ndim` array."""
+  shape = [1] * ndim
+  shape[axis] = p.shape[0]
+  return p.reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +124,8 @@ class LayerNormVjp(op_lib.Op):
     return arguments, lambda grads: grads
 
   def _fwd(
-      self, *, residuals, out, dout, x, scale, offset, epsilon, scale_offset,
-      subtract_mean, config, return_residuals,
+      self, *, residuals, out, dout, x, scale, offset, axis, epsilon,
+      scale_offset, subtract_mean, config, return_residuals,
   ):
     del out, epsilon, config, return_residuals
     mean, rstd = residuals
@@ -133,17 +135,18 @@ class LayerNormVjp(op_lib.Op):
     xhat = ((xf - mean) if subtract_mean else xf) * rstd
     g = dy
     if scale is not None:
-      g = dy * (scale.astype(cd) + scale_offset)[None, :, None]
-    proj = jnp.mean(g * xhat, axis=1, keepdims=True)
+      g = dy * _along(scale.astype(cd) + scale_offset, x.ndim, axis)
+    proj = jnp.mean(g * xhat, axis=axis, keepdims=True)
     if subtract_mean:
-      dx = rstd * (g - jnp.mean(g, axis=1, keepdims=True) - xhat * proj)
+      dx = rstd * (g - jnp.mean(g, axis=axis, keepdims=True) - xhat * proj)
     else:
       dx = rstd * (g - xhat * proj)
     grads = {"x": dx.astype(x.dtype)}
+    others = tuple(a for a in range(x.ndim) if a != axis)
     if scale is not None:
-      grads["scale"] = jnp.sum(dy * xhat, axis=(0, 2)).astype(scale.dtype)
+      grads["scale"] = jnp.sum(dy * xhat, axis=others).astype(scale.dtype)
     if offset is not None:
-      grads["offset"] = jnp.sum(dy, axis=(0, 2)).astype(offset.dtype)
+      grads["offset"] = jnp.sum(dy, axis=others).astype(offset.dtype)
     return grads, None
 
 
