@@ -211,6 +211,13 @@ class AttentionTestBase:
     for seed in (11, 12):
       self.check(FEATURES["combined"], self.dtypes[0], "combined", seed=seed)
 
+  @pytest.mark.gpu
+  @pytest.mark.parametrize("causal", [False, True])
+  def test_real_size(self, causal):
+    c = Case(batch=(2,), t=2048, s=2048, n=4, kh=4, h=64,
+             kwargs=(("is_causal", causal),))
+    self.check(c, self.dtypes[0] if self.dtypes[0] != F32 else BF16)
+
   # --- errors: raised before any kernel, for every implementation name ---
 
   @pytest.mark.parametrize(

@@ -1,0 +1,122 @@
+"""Attention benchmark: tokamax implementations against jax.nn and a matmul.
+
+Usage: python benchmarks/attention.py [OUT_DIR]
+Prints a markdown table and writes attention.json to OUT_DIR (default: .).
+Times are accelerator time (cupti on GPU, wallclock elsewhere), median of
+ITERATIONS runs, bf16 random inputs; FLOPs by the FlashAttention convention:
+4*B*N*T*S*H forward, 2.5x that backward, half of both when causal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import tokamax
+from tokamax._src import benchmarking
+from tokamax.ops.attention import xla_chunked
+
+ITERATIONS = 20
+SHAPES = {"seed B32 T2048 N16 H64": (32, 2048, 16, 64)}
+CHUNK_CONFIGS = [(2048, 512), (2048, 1024), (2048, 2048), (1024, 1024), (512, 512)]
+
+
+def _flops(shape, causal, mode):
+  b, t, n, h = shape
+  f = 4 * b * n * t * t * h
+  if mode == "forward_and_vjp":
+    f *= 3.5
+  return f / 2 if causal else f
+
+
+def _candidates():
+  yield "tokamax xla", lambda **kw: tokamax.dot_product_attention(
+      **kw, implementation="xla")
+  yield "tokamax xla_chunked (heuristic)", lambda **kw: tokamax.dot_product_attention(
+      **kw, implementation="xla_chunked")
+  for tq, sk in CHUNK_CONFIGS:
+    op = xla_chunked.ChunkedDotProductAttention(
+        config=xla_chunked.ChunkedAttentionConfig(q_chunk_size=tq, kv_chunk_size=sk))
+    yield f"tokamax xla_chunked q{tq} kv{sk}", lambda op=op, **kw: op(**kw)
+  yield "tokamax cudnn", lambda **kw: tokamax.dot_product_attention(
+      **kw, implementation="cudnn")
+  yield "jax.nn xla", lambda **kw: jax.nn.dot_product_attention(
+      **kw, implementation="xla")
+  yield "jax.nn cudnn", lambda **kw: jax.nn.dot_product_attention(
+      **kw, implementation="cudnn")
+
+
+def _time(f, args, mode):
+  f_std, flat = benchmarking.standardize_function(f, *args, mode=mode)
+  return benchmarking.benchmark(f_std, flat, iterations=ITERATIONS)
+
+
+def main(out_dir="."):
+  rows = []
+  dev = jax.devices()[0]
+  for label, shape in SHAPES.items():
+    b, t, n, h = shape
+    spec = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+    for causal in (False, True):
+      for mode in ("forward", "forward_and_vjp"):
+        for name, fn in _candidates():
+          f = lambda q, k, v, fn=fn: fn(query=q, key=k, value=v, is_causal=causal)
+          try:
+            data = _time(f, (spec, spec, spec), mode)
+            ms = data.median_evaluation_time_ms
+            tflops = _flops(shape, causal, mode) / ms / 1e9
+            rows.append(dict(shape=label, causal=causal, mode=mode, impl=name,
+                             ms=ms, tflops=tflops, method=data.method))
+          except Exception as e:  # record and go on: a peer may not support it
+            rows.append(dict(shape=label, causal=causal, mode=mode, impl=name,
+                             error=f"{type(e).__name__}: {str(e)[:200]}"))
+          print(_fmt(rows[-1]), flush=True)
+    # A dense matmul of the same size: [B*N*T, H] @ [H, S] per head pair.
+    a = jax.ShapeDtypeStruct((b * n, t, h), jnp.bfloat16)
+    c = jax.ShapeDtypeStruct((b * n, h, t), jnp.bfloat16)
+    data = _time(lambda x, y: jnp.einsum("bth,bhs->bts", x, y), (a, c), "forward")
+    ms = data.median_evaluation_time_ms
+    rows.append(dict(shape=label, causal=False, mode="forward",
+                     impl="dense matmul q@k^T (same size)", ms=ms,
+                     tflops=2 * b * n * t * t * h / ms / 1e9, method=data.method))
+    print(_fmt(rows[-1]))
+  m = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
+  data = _time(lambda x, y: x @ y, (m, m), "forward")
+  ms = data.median_evaluation_time_ms
+  rows.append(dict(shape="8192^3", causal=False, mode="forward",
+                   impl="dense matmul 8192^3", ms=ms, tflops=2 * 8192**3 / ms / 1e9,
+                   method=data.method))
+  print(_fmt(rows[-1]))
+  meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind,
+              jax=jax.__version__, iterations=ITERATIONS)
+  path = pathlib.Path(out_dir) / "attention.json"
+  path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  print(f"\n{meta}")
+  print(markdown(rows))
+
+
+def _fmt(r):
+  if "error" in r:
+    return f"{r['shape']} causal={r['causal']} {r['mode']:16s} {r['impl']:34s} {r['error']}"
+  return (f"{r['shape']} causal={r['causal']} {r['mode']:16s} {r['impl']:34s}"
+          f" {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s")
+
+
+def markdown(rows):
+  lines = ["| shape | causal | mode | implementation | median ms | TFLOP/s |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['shape']} | {r['causal']} | {r['mode']} | {r['impl']} | n/a | {r['error'][:80]} |")
+    else:
+      lines.append(f"| {r['shape']} | {r['causal']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])

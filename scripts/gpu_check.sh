@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call on the lent GPU machine: install the carried wheels (.whl),
+# run the GPU tests, the demo and the benchmarks; results go to $OUT.
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|all]
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/tokamax_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
+  --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+status=0
+if [[ $what == all || $what == tests ]]; then
+  python3 scripts/demo.py 2>&1 | tee "$OUT/demo.log" || status=1
+  # Several test processes share the GPU: no preallocation.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
+    -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
+    tests/test_dispatch.py 2>&1 | tail -5 | tee -a "$OUT/gpu_tests.log" || status=1
+fi
+if [[ $what == all || $what == bench ]]; then
+  python3 benchmarks/attention.py "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
+fi
+exit $status
