@@ -226,16 +226,22 @@ class Op(abc.ABC):
       )
       return out
 
+    # A VJP that cannot read this op's residuals (e.g. the autodiff
+    # fallback) gets none, and the forward runs without saving them.
+    wants_residuals = vjp_op.residuals_kind == self.residuals_kind
+
     def run_fwd(arrays):
+      # Checked when the gradient is traced, before any kernel runs.
+      vjp_op.check_supported(
+          BoundArguments(op=self, arguments={**arrays, **static})
+      )
       out, residuals = self._fwd(
-          **arrays, **static, config=config, return_residuals=True
+          **arrays, **static, config=config, return_residuals=wants_residuals
       )
       return out, (residuals, out if vjp_op.uses_out else None, arrays)
 
     def run_bwd(saved, dout):
       residuals, out, arrays = saved
-      fwd_ba = BoundArguments(op=self, arguments={**arrays, **static})
-      vjp_op.check_supported(fwd_ba)
       vjp_ba = vjp_op.bind(residuals, out, dout, **arrays, **static)
       grads = vjp_op.call_bound(vjp_ba)
       return ({n: grads.get(n) for n in arrays},)

@@ -39,9 +39,12 @@ def _jax_nn_function(args):
   q_len, kv_len = args["query_seq_lengths"], args["key_value_seq_lengths"]
 
   def f(query, key, value, bias):
+    # cuDNN's backward returns NaN for rows that see no key at all; lengths
+    # of at least 1 avoid that, and the rows are zeroed below.
     out = jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=args["scale"], is_causal=causal,
-        query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+        query_seq_lengths=None if q_len is None else jnp.maximum(q_len, 1),
+        key_value_seq_lengths=None if kv_len is None else jnp.maximum(kv_len, 1),
         local_window_size=window, implementation="cudnn",
     )
     t, s = query.shape[1], key.shape[1]

@@ -16,8 +16,10 @@ Semantics (identical in every implementation):
   out = softmax over visible keys (f32 statistics) @ value.
 A query row with no visible key outputs 0 and gets 0 gradient.
 
-The residual of every flash-style implementation is the log-sum-exp of the
-visible logits, f32 [B, N, T] (FlashAttention-2, arXiv:2307.08691, Sec. 3.1).
+The residuals of every flash-style implementation are a dict holding "lse",
+the log-sum-exp of the visible logits, f32 [B, N, T] (FlashAttention-2,
+arXiv:2307.08691, Sec. 3.1); an implementation may add entries its own VJP
+uses (others ignore them).
 """
 
 from __future__ import annotations
@@ -216,30 +218,45 @@ class DotProductAttention(op_lib.Op):
   ):
     del config
     t, s = query.shape[1], key.shape[1]
-    q_pos, kv_pos = jnp.arange(t), jnp.arange(s)
+    qg, kt, vt = to_head_major(query, key, value)
     logits, _ = block_logits(
-        query, key, bias, scale=scale, logits_soft_cap=logits_soft_cap,
+        qg, kt, bias, scale=scale, logits_soft_cap=logits_soft_cap,
         precision=precision,
     )
     valid = visible(
-        q_pos, kv_pos, mask=heads_view(mask, key.shape[2]),
+        jnp.arange(t), jnp.arange(s), mask=heads_view(mask, key.shape[2]),
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, is_causal=is_causal,
         local_window_size=local_window_size,
     )
     m, p, l = softmax_parts(logits, valid)
     o = jnp.einsum(
-        "bkgts,bskh->btkgh", p.astype(value.dtype), value,
+        "bkgts,bksh->bkgth", p.astype(value.dtype), vt,
         preferred_element_type=p.dtype, precision=precision,
     )
-    out = normalize(o, l).astype(query.dtype)
-    out = out.reshape(*query.shape[:3], value.shape[-1])
+    out = from_head_major(normalize(o, l)).astype(query.dtype)
     if not return_residuals:
       return out, None
-    return out, lse_residual(m, l)
+    return out, {"lse": lse_residual(m, l)}
 
 
 # --- building blocks shared by the XLA implementations ----------------------
+# Inside the kernels arrays are head-major so every matmul is a plain batched
+# matmul over (batch, kv head): q [B, K, G, T, H], k and v [B, K, S, H].
+
+
+def to_head_major(q, k, v):
+  """q [B, T, N, H] -> [B, K, G, T, H]; k, v [B, S, K, H] -> [B, K, S, H]."""
+  bsz, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  qg = q.reshape(bsz, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
+  return qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def from_head_major(o):
+  """[B, K, G, T, H] -> [B, T, N, H]."""
+  bsz, kv_heads, g, t, h = o.shape
+  return o.transpose(0, 3, 1, 2, 4).reshape(bsz, t, kv_heads * g, h)
 
 
 def heads_view(x, num_kv_heads):
@@ -252,23 +269,20 @@ def heads_view(x, num_kv_heads):
   return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
 
 
-def block_logits(q, k, bias, *, scale, logits_soft_cap, precision):
+def block_logits(qg, kt, bias, *, scale, logits_soft_cap, precision):
   """Capped logits [B, K, G, tq, sk] of a query block and a key block.
 
-  q: [B, tq, N, H], k: [B, sk, K, H], bias: [b, n, tq|1, sk|1] or None.
+  qg: [B, K, G, tq, H], kt: [B, K, sk, H], bias: [b, n, tq|1, sk|1] or None.
   Returns (logits, tanh_of_capped) where the second is None without a cap
   (d logits_capped / d logits = 1 - tanh^2).
   """
-  bsz, tq, n, h = q.shape
-  kv_heads = k.shape[2]
-  qg = q.reshape(bsz, tq, kv_heads, n // kv_heads, h)
-  cd = stats_dtype(q.dtype)
+  cd = stats_dtype(qg.dtype)
   logits = jnp.einsum(
-      "btkgh,bskh->bkgts", qg, k, preferred_element_type=cd,
+      "bkgth,bksh->bkgts", qg, kt, preferred_element_type=cd,
       precision=precision,
   ).astype(cd) * scale
   if bias is not None:
-    logits = logits + heads_view(bias, kv_heads).astype(cd)
+    logits = logits + heads_view(bias, kt.shape[1]).astype(cd)
   tanh = None
   if logits_soft_cap is not None:
     tanh = jnp.tanh(logits / logits_soft_cap)
@@ -333,9 +347,8 @@ def softmax_parts(logits, valid):
 
 
 def normalize(o, l):
-  """o [B, t, K, G, H] / l [B, K, G, t], with 0 for empty rows."""
-  l = jnp.moveaxis(l, -1, 1)[..., None]
-  return o / jnp.where(l == 0, 1.0, l)
+  """o [B, K, G, t, H] / l [B, K, G, t], with 0 for empty rows."""
+  return o / jnp.where(l == 0, 1.0, l)[..., None]
 
 
 def lse_residual(m, l):

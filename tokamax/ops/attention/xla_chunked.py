@@ -9,7 +9,9 @@ and within each over query chunks, recomputing p = exp(logits - lse) per block:
   dv += p^T do;  dp = do v^T;  ds = p * (dp - D),  D = rowsum(do * o);
   ds *= 1 - tanh^2 under a soft cap;  dbias += ds;
   dq += scale * ds k;  dk += scale * ds^T q.
-Peak memory is O(T x chunk) for both passes.
+Peak memory is O(T x chunk) for both passes. When one block covers the whole
+call (and there is no soft cap) the forward also saves the probabilities
+(T x S = T x chunk, input dtype) so the backward skips recomputing them.
 """
 
 from __future__ import annotations
@@ -34,12 +36,10 @@ class ChunkedAttentionConfig:
   kv_chunk_size: pydantic.PositiveInt = 512
 
 
-# Logits elements per block the heuristic aims for (f32: 1 GiB).
-_BLOCK_ELEMENTS = 1 << 28
+# Logits elements per block the heuristic allows (f32: 8 GiB); measured on
+# the H200 (docs/benchmarks.md): fewer, larger blocks are faster in XLA.
+_BLOCK_ELEMENTS = 1 << 31
 
-
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
 
 
 def _heuristic(ba: op_lib.BoundArguments) -> ChunkedAttentionConfig:
@@ -171,46 +171,45 @@ class ChunkedDotProductAttentionVjp(op_lib.Op):
     blk = _Blocks(args, config)
     q, k, v = args["query"], args["key"], args["value"]
     bias, mask = blk.pad_ts(args["bias"]), blk.pad_ts(args["mask"])
-    bsz, _, n, h = q.shape
-    kv_heads, hv = k.shape[2], v.shape[3]
-    g = n // kv_heads
     cd = base.stats_dtype(q.dtype)
-    scale = args["scale"]
     prec = args["precision"]
 
-    # D = rowsum(dout * out) [B, K, G, T]; lse as [B, K, G, T].
-    delta = jnp.sum(dout.astype(cd) * out.astype(cd), axis=-1)
-    delta = jnp.moveaxis(delta.reshape(bsz, -1, kv_heads, g), 1, -1)
-    lse = residuals.reshape(bsz, kv_heads, g, -1)
-    qp = blk.pad_t(q, 1)
-    dop = blk.pad_t(dout, 1).reshape(bsz, blk.tp, kv_heads, g, hv)
+    qg, kt, vt = base.to_head_major(q, k, v)
+    og = base.to_head_major(out, k, k)[0]
+    dog = base.to_head_major(dout, k, k)[0]
+    # D = rowsum(dout * out) [B, K, G, T]; lse [B, K, G, T].
+    delta = jnp.sum(dog.astype(cd) * og.astype(cd), axis=-1)
+    lse = residuals["lse"].reshape(delta.shape)
+    probs = residuals.get("probs")
+    qg, dog = blk.pad_t(qg, 3), blk.pad_t(dog, 3)
     # Padded query rows get lse = inf, hence p = 0.
     delta, lse = blk.pad_t(delta, 3), _pad(lse, 3, blk.tp, jnp.inf)
-    kp, vp = blk.pad_s(k, 1), blk.pad_s(v, 1)
+    kt, vt = blk.pad_s(kt, 2), blk.pad_s(vt, 2)
 
     def kv_step(j, carry):
       dq, dbias, dks, dvs = carry
-      kc = lax.dynamic_slice_in_dim(kp, j * blk.sk, blk.sk, axis=1)
-      vc = lax.dynamic_slice_in_dim(vp, j * blk.sk, blk.sk, axis=1)
+      kc = lax.dynamic_slice_in_dim(kt, j * blk.sk, blk.sk, axis=2)
+      vc = lax.dynamic_slice_in_dim(vt, j * blk.sk, blk.sk, axis=2)
 
       def q_step(i, inner):
         dq, dbias, dk, dv = inner
-        qc = lax.dynamic_slice_in_dim(qp, i * blk.tq, blk.tq, axis=1)
-        doc = lax.dynamic_slice_in_dim(dop, i * blk.tq, blk.tq, axis=1)
-        lse_c = lax.dynamic_slice_in_dim(lse, i * blk.tq, blk.tq, axis=3)
-        dl_c = lax.dynamic_slice_in_dim(delta, i * blk.tq, blk.tq, axis=3)
-        logits, valid, tanh = blk.logits(
-            qc, kc, bias, mask, i, j, with_tanh=True
-        )
-        p = jnp.exp(logits - lse_c[..., None])
-        if valid is not None:
-          p = jnp.where(valid, p, 0.0)
+        rows = lambda x: lax.dynamic_slice_in_dim(x, i * blk.tq, blk.tq, axis=3)
+        qc, doc, lse_c, dl_c = rows(qg), rows(dog), rows(lse), rows(delta)
+        if probs is not None:  # single block, saved by the forward
+          p, tanh = probs.astype(cd), None
+        else:
+          logits, valid, tanh = blk.logits(
+              qc, kc, bias, mask, i, j, with_tanh=True
+          )
+          p = jnp.exp(logits - lse_c[..., None])
+          if valid is not None:
+            p = jnp.where(valid, p, 0.0)
         dv = dv + jnp.einsum(
-            "bkgts,btkgh->bskh", p.astype(v.dtype), doc,
+            "bkgts,bkgth->bksh", p.astype(v.dtype), doc,
             preferred_element_type=cd, precision=prec,
         )
         dp = jnp.einsum(
-            "btkgh,bskh->bkgts", doc, vc, preferred_element_type=cd,
+            "bkgth,bksh->bkgts", doc, vc, preferred_element_type=cd,
             precision=prec,
         )
         ds = p * (dp - dl_c[..., None])
@@ -220,38 +219,37 @@ class ChunkedDotProductAttentionVjp(op_lib.Op):
           dbias = _accumulate_dbias(dbias, ds, blk, i, j)
         ds_in = ds.astype(q.dtype)
         dq_c = jnp.einsum(
-            "bkgts,bskh->btkgh", ds_in, kc, preferred_element_type=cd,
+            "bkgts,bksh->bkgth", ds_in, kc, preferred_element_type=cd,
             precision=prec,
-        ).reshape(bsz, blk.tq, n, h) * scale
+        )
         dq = lax.dynamic_update_slice_in_dim(
-            dq,
-            lax.dynamic_slice_in_dim(dq, i * blk.tq, blk.tq, axis=1) + dq_c,
-            i * blk.tq, axis=1,
+            dq, rows(dq) + dq_c, i * blk.tq, axis=3
         )
         dk = dk + jnp.einsum(
-            "bkgts,btkgh->bskh", ds_in,
-            qc.reshape(bsz, blk.tq, kv_heads, g, h), preferred_element_type=cd,
+            "bkgts,bkgth->bksh", ds_in, qc, preferred_element_type=cd,
             precision=prec,
-        ) * scale
+        )
         return dq, dbias, dk, dv
 
-      zeros_k = jnp.zeros_like(kc, cd)
-      zeros_v = jnp.zeros_like(vc, cd)
-      dq, dbias, dk, dv = _loop(blk.nq, q_step, (dq, dbias, zeros_k, zeros_v))
-      dks = lax.dynamic_update_slice_in_dim(dks, dk, j * blk.sk, axis=1)
-      dvs = lax.dynamic_update_slice_in_dim(dvs, dv, j * blk.sk, axis=1)
+      init = (dq, dbias, jnp.zeros_like(kc, cd), jnp.zeros_like(vc, cd))
+      dq, dbias, dk, dv = _loop(blk.nq, q_step, init)
+      dks = lax.dynamic_update_slice_in_dim(dks, dk, j * blk.sk, axis=2)
+      dvs = lax.dynamic_update_slice_in_dim(dvs, dv, j * blk.sk, axis=2)
       return dq, dbias, dks, dvs
 
     # zeros_like keeps the inputs' shardings (explicit sharding mode).
-    dq0 = jnp.zeros_like(qp, cd)
-    dbias0 = None if bias is None else jnp.zeros_like(bias, cd)
-    dk0 = jnp.zeros_like(kp, cd)
-    dv0 = jnp.zeros_like(vp, cd)
-    dq, dbias, dk, dv = _loop(blk.nk, kv_step, (dq0, dbias0, dk0, dv0))
+    init = (
+        jnp.zeros_like(qg, cd),
+        None if bias is None else jnp.zeros_like(bias, cd),
+        jnp.zeros_like(kt, cd),
+        jnp.zeros_like(vt, cd),
+    )
+    dq, dbias, dk, dv = _loop(blk.nk, kv_step, init)
+    scale = args["scale"]
     grads = {
-        "query": dq[:, : blk.t].astype(q.dtype),
-        "key": dk[:, : blk.s].astype(k.dtype),
-        "value": dv[:, : blk.s].astype(v.dtype),
+        "query": (base.from_head_major(dq[:, :, :, : blk.t]) * scale).astype(q.dtype),
+        "key": (dk[:, :, : blk.s].transpose(0, 2, 1, 3) * scale).astype(k.dtype),
+        "value": dv[:, :, : blk.s].transpose(0, 2, 1, 3).astype(v.dtype),
     }
     if dbias is not None:
       b = args["bias"]
@@ -292,20 +290,24 @@ class ChunkedDotProductAttention(base.DotProductAttention):
     blk = _Blocks(args, config)
     q, k, v = args["query"], args["key"], args["value"]
     bias, mask = blk.pad_ts(args["bias"]), blk.pad_ts(args["mask"])
-    bsz, _, n, _ = q.shape
-    kv_heads, hv = k.shape[2], v.shape[3]
-    g = n // kv_heads
     cd = base.stats_dtype(q.dtype)
-    qp = blk.pad_t(q, 1)
-    kp, vp = blk.pad_s(k, 1), blk.pad_s(v, 1)
+    qg, kt, vt = base.to_head_major(q, k, v)
+    qg = blk.pad_t(qg, 3)
+    kt, vt = blk.pad_s(kt, 2), blk.pad_s(vt, 2)
+    stats_shape = qg.shape[:3] + (blk.tq,)
+    save_probs = (
+        return_residuals and blk.nq == 1 and blk.nk == 1
+        and args["logits_soft_cap"] is None
+    )
+    single_block = {}  # p of the only block (traced once, no loop)
 
     def q_block(i):
-      qc = lax.dynamic_slice_in_dim(qp, i * blk.tq, blk.tq, axis=1)
+      qc = lax.dynamic_slice_in_dim(qg, i * blk.tq, blk.tq, axis=3)
 
       def kv_step(j, carry):
         m, l, acc = carry
-        kc = lax.dynamic_slice_in_dim(kp, j * blk.sk, blk.sk, axis=1)
-        vc = lax.dynamic_slice_in_dim(vp, j * blk.sk, blk.sk, axis=1)
+        kc = lax.dynamic_slice_in_dim(kt, j * blk.sk, blk.sk, axis=2)
+        vc = lax.dynamic_slice_in_dim(vt, j * blk.sk, blk.sk, axis=2)
         logits, valid = blk.logits(qc, kc, bias, mask, i, j)
         if valid is None:
           m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
@@ -320,25 +322,34 @@ class ChunkedDotProductAttention(base.DotProductAttention):
           p = jnp.where(valid, p, 0.0)
         alpha = jnp.exp(m - shift)
         l = alpha * l + jnp.sum(p, axis=-1)
+        if save_probs:
+          single_block["p"] = p
         pv = jnp.einsum(
-            "bkgts,bskh->bkgth", p.astype(v.dtype), vc,
+            "bkgts,bksh->bkgth", p.astype(v.dtype), vc,
             preferred_element_type=cd, precision=args["precision"],
         )
         return m_new, l, alpha[..., None] * acc + pv
 
       init = (
-          jnp.full((bsz, kv_heads, g, blk.tq), -jnp.inf, cd),
-          jnp.zeros((bsz, kv_heads, g, blk.tq), cd),
-          jnp.zeros((bsz, kv_heads, g, blk.tq, hv), cd),
+          jnp.full(stats_shape, -jnp.inf, cd),
+          jnp.zeros(stats_shape, cd),
+          jnp.zeros(stats_shape + (vt.shape[-1],), cd),
       )
       m, l, acc = _loop(blk.nk, kv_step, init)
       m = jnp.where(jnp.isfinite(m), m, 0.0)
-      out = acc / jnp.where(l == 0, 1.0, l)[..., None]
-      out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(bsz, blk.tq, n, hv)
-      return out.astype(q.dtype), base.lse_residual(m, l)
+      return base.normalize(acc, l).astype(q.dtype), base.lse_residual(m, l)
 
     outs, lses = _map(blk.nq, q_block)
-    # [nq, B, tq, N, Hv] -> [B, T, N, Hv];  [nq, B, N, tq] -> [B, N, T].
-    out = jnp.moveaxis(outs, 0, 1).reshape(bsz, blk.tp, n, hv)[:, : blk.t]
-    lse = jnp.moveaxis(lses, 0, 2).reshape(bsz, n, blk.tp)[:, :, : blk.t]
-    return out, (lse if return_residuals else None)
+    # [nq, B, K, G, tq, Hv] -> [B, K, G, T, Hv];  [nq, B, N, tq] -> [B, N, T].
+    bsz, kv_heads, g = qg.shape[:3]
+    outs = jnp.moveaxis(outs, 0, 3).reshape(bsz, kv_heads, g, blk.tp, -1)
+    out = base.from_head_major(outs[:, :, :, : blk.t])
+    lse = jnp.moveaxis(lses, 0, 2).reshape(bsz, kv_heads * g, blk.tp)[:, :, : blk.t]
+    if not return_residuals:
+      return out, None
+    residuals = {"lse": lse}
+    if save_probs:
+      # With one kv block, m is final when p is formed: p / l is softmax.
+      l = jnp.sum(single_block["p"], axis=-1)
+      residuals["probs"] = base.normalize(single_block["p"], l).astype(v.dtype)
+    return out, residuals
