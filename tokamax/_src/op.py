@@ -50,10 +50,14 @@ def abstractify(x: Any) -> Any:
 def _key_value(x: Any) -> Any:
   if isinstance(x, jax.ShapeDtypeStruct):
     return {"shape": list(x.shape), "dtype": str(x.dtype)}
-  if isinstance(x, tuple):
+  if isinstance(x, dict):
+    return {str(k): _key_value(v) for k, v in sorted(x.items())}
+  if isinstance(x, (tuple, list)):
     return [_key_value(v) for v in x]
   if x is None or isinstance(x, (bool, int, float, str)):
     return x
+  if isinstance(x, np.generic):
+    return x.item()
   return repr(x)
 
 
@@ -78,7 +82,12 @@ class BoundArguments:
 
   @property
   def abstract_arguments(self) -> dict[str, Any]:
-    return {k: abstractify(v) for k, v in self.arguments.items()}
+    """The arguments with every array (also inside pytrees) abstracted."""
+    return jax.tree.map(abstractify, dict(self.arguments))
+
+  def abstract(self) -> "BoundArguments":
+    """A copy holding no arrays (safe to keep after tracing)."""
+    return BoundArguments(self.op, self.abstract_arguments, self.restore)
 
   @property
   def key(self) -> str:
@@ -111,6 +120,9 @@ class BoundArguments:
 # Config sources consulted between a pinned config and the heuristics, in
 # order (autotuning contexts, caches). Each returns a config or None.
 CONFIG_SOURCES: list[Callable[[BoundArguments], Any]] = []
+# Called with (bound arguments, resolved config) each time an op is traced
+# (autotuning records the ops a function runs this way).
+CALL_OBSERVERS: list[Callable[[BoundArguments, Any], None]] = []
 
 
 def resolve_config(ba: BoundArguments) -> Any:
@@ -209,6 +221,8 @@ class Op(abc.ABC):
   def call_bound(self, ba: BoundArguments, *, return_residuals: bool = False):
     """Runs the op on canonical arguments (gradients via `self.vjp`)."""
     config = resolve_config(ba)
+    for observer in CALL_OBSERVERS:
+      observer(ba, config)
     static = ba.static
     if self.vjp is None or return_residuals:
       out, residuals = self._fwd(

@@ -81,11 +81,9 @@ def _attached_target() -> Target:
   return Target(platform=platform, device_kind=kind, compute_capability=cc)
 
 
-_CROSS_COMPILE_STACK: list[Target] = []
-
-
 def current_target() -> Target:
-  """The innermost cross-compilation target, else the first attached device."""
-  if _CROSS_COMPILE_STACK:
-    return _CROSS_COMPILE_STACK[-1]
-  return _attached_target()
+  """The cross-compilation target if one is set, else the first device."""
+  from tokamax._src import context  # pylint: disable=g-import-not-at-top
+
+  target = context.current().target
+  return target if target is not None else _attached_target()

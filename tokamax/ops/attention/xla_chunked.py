@@ -53,13 +53,15 @@ def _heuristic(ba: op_lib.BoundArguments) -> ChunkedAttentionConfig:
 
 
 def _search_space(ba: op_lib.BoundArguments) -> set[ChunkedAttentionConfig]:
+  """Query chunks T, T/2, T/4 (at most 4096); key chunks S down to S/8."""
   t = ba.arguments["query"].shape[1]
   s = ba.arguments["key"].shape[1]
-  qs = sorted({min(c, t) for c in (128, 256, 512, 1024, 2048, 4096)} | {t})
-  ks = sorted({min(c, s) for c in (64, 128, 256, 512, 1024, 2048)})
+  qs = {min(t, 4096) >> i for i in range(3)}
+  ks = {s >> i for i in range(4)}
   return {
       ChunkedAttentionConfig(q_chunk_size=a, kv_chunk_size=b)
       for a, b in itertools.product(qs, ks)
+      if a >= 16 and b >= 8 or (a, b) == (t, s)
   }
 
 
@@ -180,7 +182,9 @@ class ChunkedDotProductAttentionVjp(op_lib.Op):
     # D = rowsum(dout * out) [B, K, G, T]; lse [B, K, G, T].
     delta = jnp.sum(dog.astype(cd) * og.astype(cd), axis=-1)
     lse = residuals["lse"].reshape(delta.shape)
-    probs = residuals.get("probs")
+    # Probabilities saved by a single-block forward fit a single-block VJP.
+    single = blk.nq == 1 and blk.nk == 1
+    probs = residuals.get("probs") if single else None
     qg, dog = blk.pad_t(qg, 3), blk.pad_t(dog, 3)
     # Padded query rows get lse = inf, hence p = 0.
     delta, lse = blk.pad_t(delta, 3), _pad(lse, 3, blk.tp, jnp.inf)

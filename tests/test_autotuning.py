@@ -1,0 +1,283 @@
+"""autotune, AutotuningResult (context, JSON, merge), caches and miss policy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax
+from tokamax._src import autotuning
+from tokamax._src import op as op_lib
+from tokamax.ops.attention import xla_chunked
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CHUNKED = autotuning.class_path(xla_chunked.ChunkedDotProductAttention)
+CHUNKED_VJP = autotuning.class_path(xla_chunked.ChunkedDotProductAttentionVjp)
+Config = xla_chunked.ChunkedAttentionConfig
+
+
+def loss(x, scale):
+  x = tokamax.layer_norm(x, scale=scale, offset=None)
+  x = tokamax.dot_product_attention(x, x, x, implementation="xla_chunked")
+  x = tokamax.layer_norm(x, scale=scale, offset=None)
+  x = tokamax.dot_product_attention(
+      x, x, x, is_causal=True, implementation="xla_chunked")
+  return jnp.sum(x.astype(jnp.float32))
+
+
+def inputs(t=64):
+  x = jax.random.normal(jax.random.key(1), (2, t, 2, 32), jnp.bfloat16)
+  scale = jax.random.normal(jax.random.key(0), (32,), jnp.float32)
+  return x, scale
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch, tmp_path):
+  monkeypatch.setenv("TOKAMAX_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.delenv("TOKAMAX_AUTOTUNING_MISS_POLICY", raising=False)
+  autotuning._LOGGED.clear()
+  autotuning._TUNED_NOW.clear()
+  yield
+
+
+@pytest.fixture
+def resolved():
+  """Records (op class, config) of every op traced."""
+  seen = []
+  observer = lambda ba, config: seen.append((type(ba.op), config))
+  op_lib.CALL_OBSERVERS.append(observer)
+  yield seen
+  op_lib.CALL_OBSERVERS.remove(observer)
+
+
+def chunked_configs(seen):
+  return [c for cls, c in seen if cls is xla_chunked.ChunkedDotProductAttention]
+
+
+def test_find_ops_forward_and_gradient():
+  x, scale = inputs()
+  fwd = autotuning.find_ops(loss, x, scale)
+  grad = autotuning.find_ops(jax.jit(jax.grad(loss)), x, scale)
+  fwd_ops = sorted((autotuning.class_path(type(b.op)), b.key) for b in fwd)
+  grad_ops = sorted((autotuning.class_path(type(b.op)), b.key) for b in grad)
+  assert [o for o, _ in fwd_ops] == [CHUNKED, CHUNKED]  # causal and not
+  assert set(fwd_ops) < set(grad_ops)
+  assert [o for o, _ in grad_ops].count(CHUNKED_VJP) == 2
+  # Layer norm has nothing to tune; shapes and static args are in the keys.
+  keys = [json.loads(k) for _, k in fwd_ops]
+  assert {k["is_causal"] for k in keys} == {False, True}
+  assert keys[0]["query"] == {"shape": [2, 64, 2, 32], "dtype": "bfloat16"}
+
+
+def test_find_ops_retraces_an_already_traced_jit():
+  x, scale = inputs()
+  f_grad = jax.jit(jax.grad(loss))
+  f_grad(x, scale)  # traced and cached before autotune sees it
+  assert len(autotuning.find_ops(f_grad, x, scale)) == 4
+
+
+def test_autotune_loss_and_f_grad(tmp_path):
+  x, scale = inputs()
+  r_loss = tokamax.autotune(loss, x, scale, progress_bar=False)
+  r_grad = tokamax.autotune(jax.jit(jax.grad(loss)), x, scale, progress_bar=False)
+  assert len(r_loss.entries) == 2 and len(r_grad.entries) == 4
+  assert {e.key for e in r_loss.entries} <= {e.key for e in r_grad.entries}
+  for e in r_grad.entries:
+    ok = [m for m in e.measurements if m.error is None]
+    assert ok and all(m.median_ms > 0 for m in ok)
+    assert e.config == min(ok, key=lambda m: m.median_ms).config
+    assert len(e.measurements) >= 4  # a real search space on CPU
+  assert r_grad.device_kind == jax.devices()[0].device_kind
+  # The results were merged into the user cache.
+  files = sorted(p.name for p in (tmp_path / "cache").rglob("*.json"))
+  assert files == ["dot_product_attention.json", "dot_product_attention_vjp.json"]
+
+
+def _pinned_result(x, scale, config, causal_only=False):
+  entries = []
+  for ba in autotuning.find_ops(jax.grad(loss), x, scale):
+    if causal_only and not ba.arguments["is_causal"]:
+      continue
+    entries.append(autotuning.Entry(autotuning.class_path(type(ba.op)), ba.key, config))
+  return tokamax.AutotuningResult(jax.devices()[0].device_kind, tuple(entries))
+
+
+def test_tuned_config_used_inside_context_only(resolved):
+  x, scale = inputs()
+  f_grad = jax.jit(jax.grad(loss))
+  special = Config(q_chunk_size=16, kv_chunk_size=8)
+  result = _pinned_result(x, scale, special)
+  resolved.clear()
+  f_grad(x, scale)
+  assert special not in chunked_configs(resolved)
+  resolved.clear()
+  with result:
+    tuned = f_grad(x, scale)  # the jitted function retraces
+  assert chunked_configs(resolved) == [special, special]
+  resolved.clear()
+  plain = f_grad(x, scale)
+  assert special not in chunked_configs(resolved)
+  np.testing.assert_allclose(
+      np.asarray(tuned, np.float32), np.asarray(plain, np.float32), atol=0.1, rtol=0.05)
+
+
+def test_contexts_nest_innermost_wins(resolved):
+  x, scale = inputs()
+  outer = _pinned_result(x, scale, Config(q_chunk_size=32, kv_chunk_size=32))
+  inner = _pinned_result(x, scale, Config(q_chunk_size=16, kv_chunk_size=8), causal_only=True)
+  resolved.clear()
+  with outer:
+    with inner:
+      jax.jit(loss)(x, scale)
+    assert sorted(chunked_configs(resolved), key=repr) == sorted(
+        [Config(q_chunk_size=32, kv_chunk_size=32), Config(q_chunk_size=16, kv_chunk_size=8)],
+        key=repr)
+    resolved.clear()
+    jax.jit(loss)(x, scale)
+    assert chunked_configs(resolved) == [Config(q_chunk_size=32, kv_chunk_size=32)] * 2
+
+
+def test_dumps_loads_identity_and_files(tmp_path):
+  x, scale = inputs()
+  result = tokamax.autotune(loss, x, scale, progress_bar=False)
+  text = result.dumps()
+  data = json.loads(text)
+  assert data["device_kind"] == result.device_kind
+  assert data["tokamax_version"] == tokamax.__version__
+  assert data["entries"][0]["key"]["query"]["dtype"] == "bfloat16"
+  again = tokamax.AutotuningResult.loads(text)
+  assert again == result and again.dumps() == text
+  assert again.entries == result.entries
+  path = tmp_path / "r.json"
+  result.dump(path)
+  assert tokamax.AutotuningResult.load(path) == result
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "invalid JSON"),
+    ("[]", "format"),
+    ('{"format": "other"}', "format"),
+    ('{"format": "tokamax.autotuning/1", "device_kind": "cpu"}', "corrupt"),
+    ('{"format": "tokamax.autotuning/1", "device_kind": "cpu", "entries": ['
+     '{"op": "no.such.module:Op", "key": {}, "config": {}, "measurements": []}]}',
+     "cannot import"),
+    ('{"format": "tokamax.autotuning/1", "device_kind": "cpu", "entries": ['
+     f'{{"op": "{CHUNKED}", "key": {{}}, "config": {{"class": '
+     '"tokamax.ops.attention.xla_chunked:ChunkedAttentionConfig", "fields": '
+     '{"q_chunk_size": -3, "kv_chunk_size": 8}}, "measurements": []}]}',
+     "bad fields"),
+])
+def test_loads_rejects_corrupt_or_foreign_json(text, match):
+  with pytest.raises(ValueError, match=match):
+    tokamax.AutotuningResult.loads(text)
+
+
+def test_merge():
+  x, scale = inputs()
+  a = _pinned_result(x, scale, Config(q_chunk_size=32, kv_chunk_size=32))
+  b = _pinned_result(x, scale, Config(q_chunk_size=16, kv_chunk_size=8), causal_only=True)
+  merged = a | b
+  assert len(merged.entries) == len(a.entries)
+  configs = {e.key: e.config for e in merged.entries}
+  for e in b.entries:
+    assert configs[e.key] == e.config
+  with pytest.raises(ValueError, match="different devices"):
+    a | tokamax.AutotuningResult("NVIDIA H200", ())
+
+
+def test_other_device_kind_refused_unless_opted_in():
+  result = tokamax.AutotuningResult("NVIDIA H200", ())
+  with pytest.raises(ValueError, match="NVIDIA H200"):
+    with result:
+      pass
+  with result.on_any_device():
+    pass
+
+
+def test_user_cache_and_nearest_shape(resolved, tmp_path, caplog):
+  x, scale = inputs(64)
+  special = Config(q_chunk_size=16, kv_chunk_size=8)
+  autotuning.write_user_cache(_pinned_result(x, scale, special))
+  resolved.clear()
+  jax.jit(loss)(x, scale)  # exact key from the user cache, no context
+  assert chunked_configs(resolved) == [special, special]
+  resolved.clear()
+  caplog.set_level(logging.INFO, logger="tokamax")
+  x2, _ = inputs(48)  # not cached: the nearest cached shape's config
+  jax.jit(loss)(x2, scale)
+  jax.jit(loss)(inputs(40)[0], scale)
+  assert chunked_configs(resolved) == [special] * 4
+  assert sum("nearest" in r.message for r in caplog.records) == 1
+
+
+def test_miss_logs_once_per_op(caplog):
+  caplog.set_level(logging.INFO, logger="tokamax")
+  scale = inputs()[1]
+  for t in (24, 40, 56):
+    jax.grad(loss)(inputs(t)[0], scale)
+  misses = [r.message for r in caplog.records if "no tuned config" in r.message]
+  assert len(misses) == 2  # the forward op and its VJP op, once each
+  assert any(CHUNKED_VJP in m for m in misses)
+
+
+def test_miss_policy_error_and_autotune(monkeypatch, resolved):
+  x, scale = inputs(32)
+  with tokamax.config.autotuning_miss_policy("error"):
+    with pytest.raises(tokamax.AutotuningMissError, match="xla_chunked"):
+      jax.jit(loss)(x, scale)
+  monkeypatch.setenv("TOKAMAX_AUTOTUNING_MISS_POLICY", "error")
+  with pytest.raises(tokamax.AutotuningMissError):
+    loss(x, scale)
+  with tokamax.config.autotuning_miss_policy("autotune"):
+    loss(x, scale)  # tuned on the spot
+  assert len(autotuning._TUNED_NOW) == 2
+  with pytest.raises(ValueError, match="unknown autotuning miss policy"):
+    with tokamax.config.autotuning_miss_policy("sometimes"):
+      pass
+
+
+def test_op_whose_configs_all_fail_keeps_heuristic(caplog):
+  import dataclasses
+
+  @dataclasses.dataclass(frozen=True)
+  class Failing(xla_chunked.ChunkedDotProductAttention):
+    def _fwd(self, *, config, **kwargs):
+      if config.kv_chunk_size != 4:
+        raise RuntimeError("this config does not compile")
+      return super()._fwd(config=config, **kwargs)
+
+    def _get_heuristics_config(self, ba):
+      return Config(q_chunk_size=8, kv_chunk_size=8)
+
+  q = jax.random.normal(jax.random.key(0), (1, 16, 1, 8))
+  ba = Failing().bind(q, q, q)
+  caplog.set_level(logging.WARNING, logger="tokamax")
+  entry = autotuning.tune(ba.abstract())
+  assert entry.config == Config(q_chunk_size=8, kv_chunk_size=8)
+  assert all(m.error and "does not compile" in m.error for m in entry.measurements)
+  assert any("failed" in r.message for r in caplog.records)
+
+
+def test_custom_op_doc_example_runs_as_main(tmp_path):
+  doc = (ROOT / "docs" / "custom_op.md").read_text()
+  (code,) = re.findall(r"```python\n(.*?)```", doc, re.S)
+  script = tmp_path / "user_script.py"
+  script.write_text(code)
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, str(script)], capture_output=True, text=True, env=env,
+      timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "fastest: SplitKConfig(block_k=" in proc.stdout
+  assert proc.stdout.count(" ms") >= 3  # 32, 64, 128, 256 all measured
