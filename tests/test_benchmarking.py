@@ -231,3 +231,18 @@ def test_unknown_method(run_and_args):
   run, args = run_and_args
   with pytest.raises(ValueError, match="method"):
     run(args, method="stopwatch")
+
+
+def test_keyword_arguments_reach_grad_positionally():
+  # The seed passes kwargs={'x': ..., 'scale': ...} for f_grad = jit(grad(loss)).
+  def loss(x, scale):
+    return jnp.sum(jnp.sin(x) * scale)
+
+  x = jnp.linspace(0.0, 1.0, 8)
+  scale = jnp.full((8,), 2.0)
+  f_grad = jax.jit(jax.grad(loss))
+  f_std, args = benchmarking.standardize_function(
+      f_grad, kwargs={"x": x, "scale": scale})
+  np.testing.assert_allclose(f_std(*args), 2.0 * jnp.cos(x), rtol=1e-6)
+  data = benchmarking.compile_benchmark(f_std, args)(args, iterations=3)
+  assert len(data.evaluation_times_ms) == 3

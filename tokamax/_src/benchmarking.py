@@ -76,6 +76,20 @@ def _concrete(key: jax.Array, x: Any) -> jax.Array:
   return jax.device_put(x)  # NumPy arrays and other array-likes.
 
 
+def _positional(f, args, kwargs):
+  """Passes keyword arguments positionally where f's signature allows.
+
+  `jax.grad(f)` differentiates positional arguments only, so
+  `standardize_function(jax.grad(loss), kwargs={"x": x})` must call it as
+  `grad(x)`.
+  """
+  try:
+    bound = inspect.signature(f).bind(*args, **kwargs)
+  except (TypeError, ValueError):
+    return [args, kwargs]
+  return [bound.args, bound.kwargs]
+
+
 def standardize_function(
     f: Callable[..., Any],
     *args: Any,
@@ -133,6 +147,7 @@ def standardize_function(
     for pos, x in zip(array_pos, flat_arrays, strict=True):
       full[pos] = x
     a, kw = jax.tree.unflatten(treedef, full)
+    a, kw = _positional(f, a, kw)
     return f(*a, **kw)
 
   if mode == "forward":
