@@ -19,9 +19,11 @@ if [[ $what == all || $what == tests ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
     -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
-    tests/test_dispatch.py 2>&1 | tail -5 | tee -a "$OUT/gpu_tests.log" || status=1
+    tests/test_dispatch.py tests/test_autotuning.py 2>&1 | tail -5 | tee -a "$OUT/gpu_tests.log" || status=1
 fi
-if [[ $what == all || $what == bench ]]; then
+if [[ $what == all || $what == bench || $what == seed ]]; then
+  [[ $what == seed ]] && { python3 benchmarks/seed_flow.py "$OUT" 2>&1 | tee "$OUT/seed_flow.log" | tail -40; exit; }
+  python3 benchmarks/seed_flow.py "$OUT" 2>&1 | tee "$OUT/seed_flow.log" | tail -40 || status=1
   python3 benchmarks/attention.py "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
 fi
 exit $status
