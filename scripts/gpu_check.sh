@@ -14,7 +14,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 status=0
 if [[ $what == all || $what == tests ]]; then
-  python3 scripts/demo.py 2>&1 | tee "$OUT/demo.log" || status=1
+  # The demo's autotuning results land in $OUT/cache (shipped cache candidates).
+  TOKAMAX_CACHE_DIR="$OUT/cache" python3 scripts/demo.py 2>&1 | tee "$OUT/demo.log" || status=1
   # Several test processes share the GPU: no preallocation.
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
     -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
