@@ -192,12 +192,12 @@ def test_merge():
   for e in b.entries:
     assert configs[e.key] == e.config
   with pytest.raises(ValueError, match="different devices"):
-    a | tokamax.AutotuningResult("NVIDIA H200", ())
+    a | tokamax.AutotuningResult("Other Accelerator 9000", ())
 
 
 def test_other_device_kind_refused_unless_opted_in():
-  result = tokamax.AutotuningResult("NVIDIA H200", ())
-  with pytest.raises(ValueError, match="NVIDIA H200"):
+  result = tokamax.AutotuningResult("Other Accelerator 9000", ())
+  with pytest.raises(ValueError, match="Other Accelerator 9000"):
     with result:
       pass
   with result.on_any_device():
@@ -273,7 +273,8 @@ def test_custom_op_doc_example_runs_as_main(tmp_path):
   (code,) = re.findall(r"```python\n(.*?)```", doc, re.S)
   script = tmp_path / "user_script.py"
   script.write_text(code)
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+  env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, str(script)], capture_output=True, text=True, env=env,
       timeout=600,

@@ -203,8 +203,9 @@ def test_seed_flow_runs_on_this_machine():
   assert out.shape == (2, 64, 4, 64) and out.dtype == jnp.bfloat16
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   text = "\n".join(lines)
-  assert "dumps/loads round trip identical: True" in text
-  assert "bit-identical to f_grad: True" in text
+  if not ON_GPU:  # CPU runs are deterministic
+    assert "dumps/loads round trip identical: True" in text
+    assert "bit-identical to f_grad: True" in text
   assert "default, 10 iterations" in text
   if not ON_GPU:
     assert "implementation='triton' cannot run here" in text

@@ -41,6 +41,8 @@ def make_inputs(shape, axis, with_scale, with_offset, dtype, seed, param_dtype=F
 class LayerNormTestBase:
   implementation: str = "xla"
   dtypes = (F32, BF16, F16)
+  # CASES names the implementation refuses (NotImplementedError expected).
+  unsupported_cases = frozenset()
   seed = 0
 
   def layer_norm(self, *args, **kwargs):
@@ -81,7 +83,7 @@ class LayerNormTestBase:
   @pytest.mark.parametrize("name", sorted(CASES))
   @pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=lambda d: jnp.dtype(d).name)
   def test_case(self, name, dtype):
-    if dtype not in self.dtypes:
+    if dtype not in self.dtypes or name in self.unsupported_cases:
       shape, axis, ws, wo, *_ = CASES[name]
       x, scale, offset, _ = make_inputs(shape, axis, ws, wo, dtype, 0)
       with pytest.raises(NotImplementedError, match=self.implementation):
@@ -151,3 +153,239 @@ def test_scale_offset_is_ignored_without_scale():
       tokamax.layer_norm(x, None, None, scale_offset=1.0),
       tokamax.layer_norm(x, None, None), rtol=1e-6,
   )
+
+
+# --- "triton": interpret mode on CPU, lowering for CUDA, real GPU ---------
+
+from tokamax._src import dispatch  # noqa: E402
+from tokamax.ops.normalization import triton as triton_ln  # noqa: E402
+from tokamax.ops.normalization import xla as xla_ln  # noqa: E402
+
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+ON_GPU = jax.default_backend() == "gpu"
+NON_LAST_AXIS = frozenset({"axis0", "axis_middle"})
+
+
+def _own_hypothesis_test():
+  """The base's test_hypothesis as a new function object per subclass.
+
+  Hypothesis refuses one @given test run from several classes (its
+  differing_executors health check), so each Triton class gets its own.
+  """
+  inner = LayerNormTestBase.test_hypothesis.hypothesis.inner_test
+
+  @hypothesis.settings(max_examples=8, deadline=None)
+  @hypothesis.given(
+      rows=st.integers(1, 9), features=st.integers(1, 70),
+      subtract_mean=st.booleans(), eps=st.sampled_from([1e-6, 1e-3, 0.1]),
+  )
+  def test_hypothesis(self, rows, features, subtract_mean, eps):
+    inner(self, rows, features, subtract_mean, eps)
+
+  return test_hypothesis
+
+
+class TestTritonInterpret(LayerNormTestBase):
+  """The whole base with the Triton kernels in interpret mode (CPU)."""
+
+  implementation = "triton"
+  dtypes = (F32, BF16, F16)
+  unsupported_cases = NON_LAST_AXIS
+  test_hypothesis = _own_hypothesis_test()
+
+  @pytest.fixture(autouse=True, scope="class")
+  @classmethod
+  def _interpret(cls):
+    # Class scope: hypothesis refuses function-scoped fixtures.
+    with triton_ln.interpret_mode():
+      yield
+
+  @pytest.mark.parametrize("name", sorted(NON_LAST_AXIS))
+  def test_non_last_axis_reason_and_fallback(self, name):
+    shape, axis, *_ = CASES[name]
+    x, scale, offset, _ = make_inputs(shape, axis, True, True, F32, 0)
+    with pytest.raises(NotImplementedError, match="triton.*only the last axis"):
+      self.layer_norm(x, scale, offset, axis=axis)
+    # implementation=None falls back to XLA (forward and gradient).
+    y = tokamax.layer_norm(x, scale, offset, axis=axis)
+    reference.assert_close(y, reference.layer_norm(x, scale, offset, axis=axis), 2e-5)
+    g = jax.grad(lambda x: jnp.sum(tokamax.layer_norm(x, scale, offset, axis=axis)))(x)
+    assert g.shape == x.shape
+
+  def test_f64_params_refused(self):
+    x = jnp.ones((4, 8), F32)
+    with pytest.raises(NotImplementedError, match="triton.*fp64"):
+      self.layer_norm(x, jnp.ones((8,), F64))
+
+  def test_too_many_features_refused(self):
+    x = jax.ShapeDtypeStruct((2, triton_ln.MAX_FEATURES + 1), BF16)
+    with pytest.raises(NotImplementedError, match="triton.*16384"):
+      jax.eval_shape(self.layer_norm, x)
+
+  @pytest.mark.parametrize("subtract_mean", [True, False])
+  def test_pinned_config_masked_rows_and_loop(self, monkeypatch, subtract_mean):
+    """block_rows not dividing R, F not a power of 2, >1 backward loop trip."""
+    # With 1 "SM" and 4 warps at most 8 backward programs: 19 row blocks of
+    # 2 rows -> 3 loop trips over 7 programs (the last ones partly masked).
+    monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
+    config = triton_ln.TritonLayerNormConfig(block_rows=2, num_warps=4)
+    op = triton_ln.TritonLayerNorm(
+        config=config, vjp=triton_ln.TritonLayerNormVjp(config=config)
+    )
+    x, scale, offset, ct_key = make_inputs((37, 45), -1, True, True, F32, 4)
+    ct = jax.random.normal(ct_key, x.shape, F32)
+    static = dict(subtract_mean=subtract_mean, scale_offset=1.0)
+    y = op(x, scale, offset, **static)
+    ref = reference.layer_norm(x, scale, offset, **static)
+    reference.assert_close(y, ref, 2e-5, "forward")
+    grads = jax.grad(lambda *a: jnp.sum(op(*a, **static) * ct), argnums=(0, 1, 2))(
+        x, scale, offset
+    )
+    ref_grads = jax.grad(
+        lambda *a: jnp.sum(reference.layer_norm(*a, **static) * ct), argnums=(0, 1, 2)
+    )(*map(reference.f64, (x, scale, offset)))
+    for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
+      reference.assert_close(g, r, 1e-4, name)
+
+  def test_vjp_accepts_xla_residuals(self):
+    """Same residual format as the XLA forward: (mean, rstd) keepdims."""
+    x, scale, offset, ct_key = make_inputs((5, 3, 40), -1, True, True, BF16, 2)
+    dout = jax.random.normal(ct_key, x.shape, F32).astype(BF16)
+    static = dict(axis=2, epsilon=1e-5, scale_offset=0.0, subtract_mean=True)
+    xla_op = xla_ln.XlaLayerNorm()
+    _, residuals = xla_op.call_bound(
+        xla_op.bind(x, scale, offset, **static), return_residuals=True
+    )
+    tri_op = triton_ln.TritonLayerNorm()
+    _, tri_residuals = tri_op.call_bound(
+        tri_op.bind(x, scale, offset, **static), return_residuals=True
+    )
+    for a, b in zip(residuals, tri_residuals):
+      assert a.shape == b.shape == (5, 3, 1) and a.dtype == b.dtype
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    outs = []
+    for vjp in (triton_ln.TritonLayerNormVjp(), xla_ln.LayerNormVjp()):
+      outs.append(vjp.call_bound(
+          vjp.bind(residuals, None, dout, x, scale, offset, **static)
+      ))
+    for k in ("x", "scale", "offset"):
+      reference.assert_close(outs[0][k], outs[1][k].astype(F32), 1e-2, k)
+
+
+def test_triton_config_validation():
+  Config = triton_ln.TritonLayerNormConfig
+  assert Config(block_rows=4, num_warps=8).block_rows == 4
+  for bad in (dict(block_rows=3), dict(block_rows=0), dict(num_warps=6),
+              dict(num_warps=-4), dict(num_warps=64)):
+    with pytest.raises(Exception, match="block_rows|num_warps"):
+      Config(**bad)
+
+
+@pytest.mark.parametrize("rows, features, itemsize, expected", [
+    (8192, 8192, 2, (1, 16)),
+    (65536, 1024, 2, (8, 8)),
+    (132, 96, 4, (32, 4)),
+    (3, 77, 2, (4, 4)),
+    (7, 16384, 4, (1, 16)),
+])
+def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
+  h = triton_ln.heuristic_config(rows, features, itemsize)
+  assert (h.block_rows, h.num_warps) == expected
+  space = triton_ln.search_space(rows, features, itemsize)
+  assert all(c.block_rows <= max(1, 2 * rows) for c in space)
+  if rows >= 64:
+    assert len(space) >= 3
+
+
+def _lower_text(fn, *args):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# (shape, dtype, with scale, with offset, subtract_mean)
+LOWER_CASES = {
+    "8192x8192_bf16": ((8192, 8192), BF16, True, True, True),
+    "65536x1024_bf16": ((65536, 1024), BF16, True, True, True),
+    "odd_rms_f16": ((6, 7, 77), F16, True, False, False),
+    "rank1_f32": ((130,), F32, True, True, True),
+    "max_features": ((5, 16384), BF16, True, True, True),
+    "one_feature": ((3, 1), F32, False, True, True),
+    "no_params": ((1000, 1000), BF16, False, False, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOWER_CASES))
+def test_triton_lowers_for_cuda(case):
+  shape, dtype, ws, wo, sm = LOWER_CASES[case]
+  spec = lambda s, d: jax.ShapeDtypeStruct(s, d)
+  x = spec(shape, dtype)
+  scale = spec(shape[-1:], F32) if ws else None
+  offset = spec(shape[-1:], F32) if wo else None
+
+  def f(x, scale, offset):
+    return tokamax.layer_norm(x, scale, offset, subtract_mean=sm,
+                              implementation="triton")
+
+  diff = tuple(i for i, a in enumerate((x, scale, offset)) if a is not None)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)), argnums=diff)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    fwd_text = _lower_text(f, x, scale, offset)
+    grad_text = _lower_text(grad, x, scale, offset)
+  assert fwd_text.count(TRITON_TARGET) == 1
+  # Forward (saving mean/rstd) and backward kernels.
+  assert grad_text.count(TRITON_TARGET) == 2
+
+
+def test_triton_cross_compile_dispatch():
+  """Under an H200 target None picks "triton", or falls back to XLA."""
+  x = jax.ShapeDtypeStruct((64, 256), BF16)
+  s = jax.ShapeDtypeStruct((256,), F32)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    ba = dispatch.select("layer_norm", None, (x, s), {})
+    assert ba.op.implementation == "triton"
+    assert TRITON_TARGET in _lower_text(lambda x, s: tokamax.layer_norm(x, s), x, s)
+    xt = jax.ShapeDtypeStruct((256, 64), BF16)
+    text = _lower_text(lambda x, s: tokamax.layer_norm(x, s, axis=0), xt, s)
+    assert TRITON_TARGET not in text
+    with pytest.raises(NotImplementedError, match="triton.*last axis"):
+      _lower_text(lambda x, s: tokamax.layer_norm(
+          x, s, axis=0, implementation="triton"), xt, s)
+  with tokamax.config.cross_compile("NVIDIA V100"):
+    with pytest.raises(NotImplementedError, match="triton.*requires an NVIDIA GPU"):
+      _lower_text(lambda x, s: tokamax.layer_norm(x, s, implementation="triton"), x, s)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU platform check")
+def test_triton_refuses_on_cpu_without_interpret():
+  x = jnp.ones((4, 8), F32)
+  with pytest.raises(NotImplementedError, match="triton.*requires an NVIDIA GPU"):
+    tokamax.layer_norm(x, implementation="triton")
+  assert isinstance(tokamax.layer_norm(x), jax.Array)  # None -> xla
+
+
+@pytest.mark.gpu
+class TestTritonGpu(LayerNormTestBase):
+  """The whole base with the compiled Triton kernels on an NVIDIA GPU."""
+
+  implementation = "triton"
+  dtypes = (F32, BF16, F16)
+  unsupported_cases = NON_LAST_AXIS
+  test_hypothesis = _own_hypothesis_test()
+
+
+@pytest.mark.gpu
+def test_triton_gpu_large_bf16():
+  """8192x8192 bf16 with f32 scale/offset vs the f64 reference, fwd + grad."""
+  shape = (8192, 8192)
+  x, scale, offset, ct_key = make_inputs(shape, -1, True, True, BF16, 7)
+  ct = jax.random.normal(ct_key, shape, F32)
+  f = lambda *a: tokamax.layer_norm(*a, implementation="triton")
+  y = jax.jit(f)(x, scale, offset)
+  fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(BF16)]
+  reference.assert_close(y, reference.layer_norm(x, scale, offset), fwd_tol, "forward")
+  grads = jax.jit(jax.grad(
+      lambda *a: jnp.sum(f(*a).astype(F32) * ct), argnums=(0, 1, 2)))(x, scale, offset)
+  ref_grads = jax.grad(
+      lambda *a: jnp.sum(reference.layer_norm(*a) * ct), argnums=(0, 1, 2)
+  )(*map(reference.f64, (x, scale, offset)))
+  for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
+    reference.assert_close(g, r, grad_tol, name)

@@ -489,19 +489,22 @@ def tune(
   configs = _candidates(ba)
   workers = max_workers or min(4, os.cpu_count() or 1)
   measurements = []
-  # Compiling releases the GIL: compile candidates concurrently, then time
-  # them one at a time.
+  # Compiling releases the GIL: compile every candidate concurrently first.
+  # Timing starts only when all compiles are done: XLA's GPU compiler runs
+  # its own autotuning kernels, which a concurrent CUPTI measurement would
+  # count.
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     futures = [pool.submit(_compile, ba, c) for c in configs]
-    for config, future in zip(configs, futures):
-      try:
-        run, flat = future.result()
-        data = run(flat, iterations=iterations)
-        measurements.append(Measurement(config, data.median_evaluation_time_ms))
-      except Exception as e:  # a config that fails is skipped, never fatal
-        measurements.append(Measurement(config, error=f"{type(e).__name__}: {e}"[:500]))
-      if progress is not None:
-        progress.update(1)
+    concurrent.futures.wait(futures)
+  for config, future in zip(configs, futures):
+    try:
+      run, flat = future.result()
+      data = run(flat, iterations=iterations)
+      measurements.append(Measurement(config, data.median_evaluation_time_ms))
+    except Exception as e:  # a config that fails is skipped, never fatal
+      measurements.append(Measurement(config, error=f"{type(e).__name__}: {e}"[:500]))
+    if progress is not None:
+      progress.update(1)
   ok = [m for m in measurements if m.error is None]
   if ok:
     best = min(ok, key=lambda m: m.median_ms).config

@@ -5,13 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax._src import dispatch
-from tokamax.ops.normalization import xla
+from tokamax.ops.normalization import triton, xla
 
 dispatch.register("layer_norm", "xla", xla.XlaLayerNorm)
-dispatch.register(
-    "layer_norm", "triton",
-    dispatch.planned("layer_norm", "triton", "issue #4: Pallas:Triton kernels"),
-)
+dispatch.register("layer_norm", "triton", triton.TritonLayerNorm)
 dispatch.set_default_order("layer_norm", lambda target: ["triton", "xla"])
 
 
