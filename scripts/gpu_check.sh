@@ -23,7 +23,13 @@ if [[ $what == all || $what == tests ]]; then
     tests/test_dispatch.py tests/test_autotuning.py 2>&1 | tail -5 | tee -a "$OUT/gpu_tests.log" || status=1
 fi
 if [[ $what == all || $what == bench || $what == seed ]]; then
-  [[ $what == seed ]] && { python3 benchmarks/seed_flow.py "$OUT" 2>&1 | tee "$OUT/seed_flow.log" | tail -40; exit; }
+  if [[ $what == seed ]]; then
+    TOKAMAX_CACHE_DIR="$OUT/cache" python3 benchmarks/seed_flow.py "$OUT" 2>&1 | tee "$OUT/seed_flow.log" | tail -40
+    python3 benchmarks/export_determinism.py 2>&1 | tail -2 | tee "$OUT/determinism.log"
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true python3 benchmarks/export_determinism.py \
+      2>&1 | tail -2 | tee -a "$OUT/determinism.log"
+    exit
+  fi
   python3 benchmarks/seed_flow.py "$OUT" 2>&1 | tee "$OUT/seed_flow.log" | tail -40 || status=1
   python3 benchmarks/attention.py "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
 fi

@@ -471,13 +471,21 @@ def _candidates(ba: op_lib.BoundArguments) -> list[Any]:
   return [heuristic] + sorted(others, key=repr)
 
 
-def _compile(ba: op_lib.BoundArguments, config: Any):
+def _random_arguments(ba: op_lib.BoundArguments) -> dict[str, Any]:
+  """ba's arguments with random arrays in place of ShapeDtypeStructs."""
+  identity, flat = benchmarking.standardize_function(
+      lambda arguments: arguments, dict(ba.arguments)
+  )
+  return identity(*flat)
+
+
+def _compile(ba: op_lib.BoundArguments, config: Any, arguments: dict[str, Any]):
   op = dataclasses.replace(ba.op, config=config)
 
   def run(arguments):
     return op.call_bound(op_lib.BoundArguments(op, arguments))
 
-  f_std, flat = benchmarking.standardize_function(run, dict(ba.arguments))
+  f_std, flat = benchmarking.standardize_function(run, arguments)
   return benchmarking.compile_benchmark(f_std, flat), flat
 
 
@@ -494,7 +502,8 @@ def tune(
   # its own autotuning kernels, which a concurrent CUPTI measurement would
   # count.
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    futures = [pool.submit(_compile, ba, c) for c in configs]
+    arguments = _random_arguments(ba)  # one set of inputs for every config
+    futures = [pool.submit(_compile, ba, c, arguments) for c in configs]
     concurrent.futures.wait(futures)
   for config, future in zip(configs, futures):
     try:

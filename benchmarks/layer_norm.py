@@ -1,0 +1,92 @@
+"""layer_norm benchmark: tokamax "triton" against "xla".
+
+Usage: python benchmarks/layer_norm.py [OUT_DIR]
+Prints a markdown table and writes layer_norm.json to OUT_DIR (default: .).
+x is bf16 [R, F] (normalised over F), scale and offset f32 [F]. Times are
+accelerator time (cupti on GPU, wallclock elsewhere), median of ITERATIONS
+runs. Effective bandwidth counts the bytes that must move at least once:
+forward x read + y written (2 R F itemsize); forward_and_vjp adds the
+backward's x and dy read and dx written (5 R F itemsize). Parameters and
+statistics are ignored (< 0.1%). Off-GPU the shapes are shrunk 64x in R so
+the script stays a quick smoke test (the triton rows then report the refusal).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import tokamax
+from tokamax._src import benchmarking
+
+ITERATIONS = 20
+SHAPES = {"8192x8192": (8192, 8192), "65536x1024": (65536, 1024)}
+IMPLEMENTATIONS = ("triton", "xla")
+MODES = ("forward", "forward_and_vjp")
+# Arrays of x's size that a mode moves at least once (see module docstring).
+ARRAYS_MOVED = {"forward": 2, "forward_and_vjp": 5}
+
+
+def _time(f, args, mode):
+  f_std, flat = benchmarking.standardize_function(f, *args, mode=mode)
+  return benchmarking.benchmark(f_std, flat, iterations=ITERATIONS)
+
+
+def main(out_dir="."):
+  dev = jax.devices()[0]
+  on_gpu = dev.platform == "gpu"
+  rows = []
+  for label, (r, f) in SHAPES.items():
+    if not on_gpu:
+      r //= 64
+      label = f"{r}x{f}"
+    x = jax.ShapeDtypeStruct((r, f), jnp.bfloat16)
+    p = jax.ShapeDtypeStruct((f,), jnp.float32)
+    for mode in MODES:
+      for impl in IMPLEMENTATIONS:
+        fn = lambda x, s, o, impl=impl: tokamax.layer_norm(
+            x, s, o, implementation=impl)
+        row = dict(shape=label, mode=mode, impl=impl)
+        try:
+          data = _time(fn, (x, p, p), mode)
+          ms = data.median_evaluation_time_ms
+          nbytes = ARRAYS_MOVED[mode] * r * f * x.dtype.itemsize
+          row.update(ms=ms, tbps=nbytes / ms / 1e9, method=data.method,
+                     compile_ms=data.compile_time_ms)
+        except Exception as e:  # record and go on: e.g. triton off-GPU
+          row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(_fmt(row), flush=True)
+  meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind,
+              jax=jax.__version__, iterations=ITERATIONS)
+  path = pathlib.Path(out_dir) / "layer_norm.json"
+  path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  print(f"\n{meta}")
+  print(markdown(rows))
+
+
+def _fmt(r):
+  if "error" in r:
+    return f"{r['shape']:11s} {r['mode']:16s} {r['impl']:7s} {r['error']}"
+  return (f"{r['shape']:11s} {r['mode']:16s} {r['impl']:7s}"
+          f" {r['ms']:8.3f} ms {r['tbps']:6.2f} TB/s")
+
+
+def markdown(rows):
+  lines = ["| x (bf16) | mode | implementation | median ms | effective TB/s |",
+           "|---|---|---|---|---|"]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['shape']} | {r['mode']} | {r['impl']} | n/a | {r['error'][:80]} |")
+    else:
+      lines.append(f"| {r['shape']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} | {r['tbps']:.2f} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
