@@ -42,7 +42,10 @@ from tokamax.ops.normalization import xla
 
 # Runs the kernels with `interpret=True` (on any backend) and skips the
 # platform check. Part of JAX's jit key, so jitted functions retrace when it
-# changes. Also settable with the env var TOKAMAX_TRITON_INTERPRET=1.
+# changes. Thread-local inside `interpret_mode()`; set it process-wide (e.g.
+# for autotuning, which benchmarks in worker threads) with the env var
+# TOKAMAX_TRITON_INTERPRET=1 or jax.config.update("tokamax_triton_interpret",
+# True).
 INTERPRET = jax_config.bool_state(
     "tokamax_triton_interpret",
     default=False,
@@ -337,15 +340,15 @@ class TritonLayerNormVjp(xla.LayerNormVjp):
       self, *, residuals, out, dout, x, scale, offset, axis, epsilon,
       scale_offset, subtract_mean, config, return_residuals,
   ):
-    if x.size == 0:
+    if residuals is None:  # A forward that saved nothing: recompute in XLA.
+      residuals = _statistics(x, epsilon, subtract_mean)
+    if x.size == 0:  # No rows (or no features): nothing for a kernel to do.
       return super()._fwd(
           residuals=residuals, out=out, dout=dout, x=x, scale=scale,
           offset=offset, axis=axis, epsilon=epsilon,
           scale_offset=scale_offset, subtract_mean=subtract_mean,
           config=config, return_residuals=return_residuals,
       )
-    if residuals is None:  # A forward that saved nothing: recompute in XLA.
-      residuals = _statistics(x, epsilon, subtract_mean)
     mean, rstd = residuals
     features = x.shape[-1]
     rows = x.size // features
@@ -414,7 +417,7 @@ class TritonLayerNorm(xla.LayerNorm):
       self, *, x, scale, offset, axis, epsilon, scale_offset, subtract_mean,
       config, return_residuals,
   ):
-    if x.size == 0:
+    if x.size == 0:  # No rows (or no features): nothing for a kernel to do.
       return super()._fwd(
           x=x, scale=scale, offset=offset, axis=axis, epsilon=epsilon,
           scale_offset=scale_offset, subtract_mean=subtract_mean,
