@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -22,6 +22,10 @@ if [[ $what == all || $what == tests ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
     tests/test_dispatch.py tests/test_autotuning.py 2>&1 | tail -5 | tee -a "$OUT/gpu_tests.log" || status=1
 fi
+if [[ $what == ln ]]; then
+  python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -20
+  exit
+fi
 if [[ $what == all || $what == bench || $what == seed ]]; then
   if [[ $what == seed ]]; then
     TOKAMAX_CACHE_DIR="$OUT/cache" python3 benchmarks/seed_flow.py "$OUT" 2>&1 | tee "$OUT/seed_flow.log" | tail -40
@@ -32,5 +36,6 @@ if [[ $what == all || $what == bench || $what == seed ]]; then
   fi
   python3 benchmarks/seed_flow.py "$OUT" 2>&1 | tee "$OUT/seed_flow.log" | tail -40 || status=1
   python3 benchmarks/attention.py "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
+  python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -20 || status=1
 fi
 exit $status
