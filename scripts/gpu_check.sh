@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -21,6 +21,16 @@ if [[ $what == all || $what == tests ]]; then
     -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
     tests/test_dispatch.py tests/test_autotuning.py 2>&1 | tail -5 | tee -a "$OUT/gpu_tests.log" || status=1
+fi
+if [[ $what == ship ]]; then
+  # Tune the benchmark shapes into the shipped cache, then time layer_norm with it.
+  TOKAMAX_CACHE_DIR=$PWD/tokamax/data/autotuning python3 benchmarks/tune_shipped.py \
+    2>&1 | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/tune.log" | tail -20
+  mkdir -p "$OUT/cache" && cp tokamax/data/autotuning/*/*.json "$OUT/cache/"
+  python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -12
+  XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
+    tests/test_autotuning.py 2>&1 | tail -4
+  exit
 fi
 if [[ $what == ln ]]; then
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -20

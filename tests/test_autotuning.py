@@ -27,9 +27,9 @@ Config = xla_chunked.ChunkedAttentionConfig
 
 
 def loss(x, scale):
-  x = tokamax.layer_norm(x, scale=scale, offset=None)
+  x = tokamax.layer_norm(x, scale=scale, offset=None, implementation="xla")
   x = tokamax.dot_product_attention(x, x, x, implementation="xla_chunked")
-  x = tokamax.layer_norm(x, scale=scale, offset=None)
+  x = tokamax.layer_norm(x, scale=scale, offset=None, implementation="xla")
   x = tokamax.dot_product_attention(
       x, x, x, is_causal=True, implementation="xla_chunked")
   return jnp.sum(x.astype(jnp.float32))
@@ -44,6 +44,8 @@ def inputs(t=64):
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch, tmp_path):
   monkeypatch.setenv("TOKAMAX_CACHE_DIR", str(tmp_path / "cache"))
+  # Independent of the configs shipped for this device kind.
+  monkeypatch.setattr(autotuning, "_SHIPPED_DIR", tmp_path / "shipped")
   monkeypatch.delenv("TOKAMAX_AUTOTUNING_MISS_POLICY", raising=False)
   autotuning._LOGGED.clear()
   autotuning._TUNED_NOW.clear()
@@ -282,3 +284,15 @@ def test_custom_op_doc_example_runs_as_main(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "fastest: SplitKConfig(block_k=" in proc.stdout
   assert proc.stdout.count(" ms") >= 3  # 32, 64, 128, 256 all measured
+
+
+def test_shipped_cache_is_read(monkeypatch, tmp_path, resolved):
+  x, scale = inputs(64)
+  special = Config(q_chunk_size=16, kv_chunk_size=8)
+  shipped = tmp_path / "shipped"
+  monkeypatch.setenv("TOKAMAX_CACHE_DIR", str(shipped))
+  autotuning.write_user_cache(_pinned_result(x, scale, special))  # writes the layout
+  monkeypatch.setenv("TOKAMAX_CACHE_DIR", str(tmp_path / "empty"))
+  resolved.clear()
+  jax.jit(loss)(x, scale)
+  assert chunked_configs(resolved) == [special, special]

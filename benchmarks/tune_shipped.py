@@ -1,0 +1,65 @@
+"""Autotunes the benchmark shapes and writes the shipped cache.
+
+Usage: TOKAMAX_CACHE_DIR=tokamax/data/autotuning python benchmarks/tune_shipped.py
+(on the device the shipped cache is for). Shapes: the seed flow's f_grad;
+layer_norm x 8192x8192 and 65536x1024 bf16 with f32 scale and offset; the
+seed attention shape, causal and not, with "xla_chunked".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+
+import tokamax
+
+_DEMO = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+_spec = importlib.util.spec_from_file_location("demo", _DEMO)
+demo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(demo)
+
+
+def _tune(name, f, *args):
+  start = time.perf_counter()
+  result = tokamax.autotune(f, *args, progress_bar=False)
+  print(f"{name}: {len(result.entries)} ops in {time.perf_counter() - start:.1f} s")
+  for e in result.entries:
+    print(f"  {e.op.split(':')[1]}: {e.config} {e.measurements[0].median_ms:.4f} ms"
+          f" ({len(e.measurements)} configs)")
+
+
+def main():
+  assert os.environ.get("TOKAMAX_CACHE_DIR"), "set TOKAMAX_CACHE_DIR"
+  on_gpu = jax.default_backend() == "gpu"
+  channels, seq_len, batch, heads = demo.SEED_SHAPE if on_gpu else demo.SMALL_SHAPE
+  scale = jax.random.normal(jax.random.key(0), (channels,), jnp.float32)
+  x = jax.random.normal(jax.random.key(1), (batch, seq_len, heads, channels), jnp.bfloat16)
+  impls = demo.runnable_implementations(x, scale, log=lambda *_: None)
+  _tune("seed f_grad", jax.jit(jax.grad(demo.make_loss(impls))), x, scale)
+
+  def attention_grad(causal):
+    def loss(q, k, v):
+      out = tokamax.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="xla_chunked")
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+  _tune("attention causal", attention_grad(True), x, x, x)
+
+  rows = 1 if on_gpu else 64
+  for shape in ((8192 // rows, 8192), (65536 // rows, 1024)):
+    ln_x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    p = jax.ShapeDtypeStruct(shape[1:], jnp.float32)
+    impl = "triton" if on_gpu else "xla"
+    ln_loss = lambda x, s, o: jnp.sum(
+        tokamax.layer_norm(x, s, o, implementation=impl).astype(jnp.float32))
+    _tune(f"layer_norm {shape}", jax.jit(jax.grad(ln_loss, argnums=(0, 1, 2))), ln_x, p, p)
+
+
+if __name__ == "__main__":
+  main()
