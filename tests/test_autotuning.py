@@ -207,7 +207,8 @@ def test_other_device_kind_refused_unless_opted_in():
 
 
 def test_user_cache_and_nearest_shape(resolved, tmp_path, caplog):
-  x, scale = inputs(64)
+  # Shapes no other test traces: a jit cache hit would skip the lookups.
+  x, scale = inputs(88)
   special = Config(q_chunk_size=16, kv_chunk_size=8)
   autotuning.write_user_cache(_pinned_result(x, scale, special))
   resolved.clear()
@@ -215,9 +216,9 @@ def test_user_cache_and_nearest_shape(resolved, tmp_path, caplog):
   assert chunked_configs(resolved) == [special, special]
   resolved.clear()
   caplog.set_level(logging.INFO, logger="tokamax")
-  x2, _ = inputs(48)  # not cached: the nearest cached shape's config
+  x2, _ = inputs(72)  # not cached: the nearest cached shape's config
   jax.jit(loss)(x2, scale)
-  jax.jit(loss)(inputs(40)[0], scale)
+  jax.jit(loss)(inputs(66)[0], scale)
   assert chunked_configs(resolved) == [special] * 4
   assert sum("nearest" in r.message for r in caplog.records) == 1
 
@@ -287,7 +288,7 @@ def test_custom_op_doc_example_runs_as_main(tmp_path):
 
 
 def test_shipped_cache_is_read(monkeypatch, tmp_path, resolved):
-  x, scale = inputs(64)
+  x, scale = inputs(104)  # a shape no other test traces (no jit cache hit)
   special = Config(q_chunk_size=16, kv_chunk_size=8)
   shipped = tmp_path / "shipped"
   monkeypatch.setenv("TOKAMAX_CACHE_DIR", str(shipped))
@@ -296,3 +297,27 @@ def test_shipped_cache_is_read(monkeypatch, tmp_path, resolved):
   resolved.clear()
   jax.jit(loss)(x, scale)
   assert chunked_configs(resolved) == [special, special]
+
+
+def test_shipped_h200_configs_load_and_apply_when_cross_compiling(monkeypatch, resolved):
+  from tokamax.ops.normalization import triton as ln_triton
+
+  shipped = ROOT / "tokamax" / "data" / "autotuning"
+  monkeypatch.setattr(autotuning, "_SHIPPED_DIR", shipped)
+  files = sorted((shipped / "NVIDIA_H200").glob("*.json"))
+  assert [f.stem for f in files] == [
+      "dot_product_attention", "dot_product_attention_vjp", "layer_norm",
+      "layer_norm_vjp"]
+  for f in files:
+    result = tokamax.AutotuningResult.load(f)
+    assert result.device_kind == "NVIDIA H200" and result.entries
+  x = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
+  p = jax.ShapeDtypeStruct((8192,), jnp.float32)
+  resolved.clear()
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    jax.eval_shape(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"), x, p, p)
+  (config,) = [c for cls, c in resolved if cls is ln_triton.TritonLayerNorm]
+  heuristic = ln_triton.TritonLayerNorm()._get_heuristics_config(
+      ln_triton.TritonLayerNorm().bind(x, p, p))
+  assert config != heuristic  # the tuned config, not the heuristic one
+  assert config == ln_triton.TritonLayerNormConfig(block_rows=2, num_warps=8)
