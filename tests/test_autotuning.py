@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -321,3 +322,49 @@ def test_shipped_h200_configs_load_and_apply_when_cross_compiling(monkeypatch, r
       ln_triton.TritonLayerNorm().bind(x, p, p))
   assert config != heuristic  # the tuned config, not the heuristic one
   assert config == ln_triton.TritonLayerNormConfig(block_rows=2, num_warps=8)
+
+  # The VJP op's shipped config too (its key leaves out residuals).
+  x = jax.ShapeDtypeStruct((65536, 1024), jnp.bfloat16)
+  p = jax.ShapeDtypeStruct((1024,), jnp.float32)
+  resolved.clear()
+  loss = lambda x, s, o: jnp.sum(
+      tokamax.layer_norm(x, s, o, implementation="triton").astype(jnp.float32))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), x, p, p)
+  (vjp_config,) = [c for cls, c in resolved if cls is ln_triton.TritonLayerNormVjp]
+  assert vjp_config == ln_triton.TritonLayerNormConfig(block_rows=4, num_warps=4)
+  vjp_op = ln_triton.TritonLayerNormVjp()
+  assert vjp_config != vjp_op._get_heuristics_config(ln_triton.TritonLayerNorm().bind(x, p, p))
+
+
+def test_vmap_levels_are_part_of_the_key_and_tuned(resolved):
+  qs = jax.random.normal(jax.random.key(3), (3, 2, 24, 2, 16))
+
+  def attention(q):
+    return tokamax.dot_product_attention(q, 2 * q, q, implementation="xla_chunked")
+
+  nested = jax.vmap(jax.vmap(attention, in_axes=1), in_axes=0)
+  loss = lambda q: jnp.sum(nested(q))
+  (fwd,) = autotuning.find_ops(nested, qs)
+  # Inner level maps T (size 24), outer the leading 3; axes refer to the
+  # canonical arguments the op sees.
+  assert [size for size, _ in fwd.vmap_levels] == [24, 3]
+  assert "__vmap__" in json.loads(fwd.key)
+  unbatched = autotuning.find_ops(attention, qs[0, :, 0])
+  assert unbatched[0].key != fwd.key and not unbatched[0].vmap_levels
+
+  result = tokamax.autotune(jax.grad(loss), qs, progress_bar=False)
+  assert len(result.entries) == 2
+  for e in result.entries:  # benchmarked under the same vmaps
+    assert all(m.error is None for m in e.measurements), e.measurements
+  special = Config(q_chunk_size=1, kv_chunk_size=1)
+  pinned = tokamax.AutotuningResult(result.device_kind, tuple(
+      dataclasses.replace(e, config=special) for e in result.entries))
+  resolved.clear()
+  with pinned:
+    jax.grad(loss)(qs)
+  assert [c for _, c in resolved] == [special, special]
+  resolved.clear()
+  with pinned:
+    attention(qs[0, :, 0])  # no vmap: another key
+  assert chunked_configs(resolved) != [special]

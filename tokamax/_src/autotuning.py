@@ -471,21 +471,46 @@ def _candidates(ba: op_lib.BoundArguments) -> list[Any]:
   return [heuristic] + sorted(others, key=repr)
 
 
-def _random_arguments(ba: op_lib.BoundArguments) -> dict[str, Any]:
-  """ba's arguments with random arrays in place of ShapeDtypeStructs."""
-  identity, flat = benchmarking.standardize_function(
-      lambda arguments: arguments, dict(ba.arguments)
-  )
+def _batched(ba: op_lib.BoundArguments) -> dict[str, Any]:
+  """Abstract arguments with the vmapped axes inserted (innermost first)."""
+  flat, tree = jax.tree_util.tree_flatten_with_path(dict(ba.arguments))
+  leaves = []
+  for path, x in flat:
+    if isinstance(x, jax.ShapeDtypeStruct):
+      shape = list(x.shape)
+      for size, axes in ba.vmap_levels:
+        axis = dict(axes).get(jax.tree_util.keystr(path))
+        if axis is not None:
+          shape.insert(axis, size)
+      x = jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+    leaves.append(x)
+  return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _random_arrays(ba: op_lib.BoundArguments) -> dict[str, Any]:
+  """Random (batched, if vmapped) arrays for ba's array arguments."""
+  arrays = {n: _batched(ba)[n] for n in ba.op.array_args}
+  identity, flat = benchmarking.standardize_function(lambda a: a, arrays)
   return identity(*flat)
 
 
-def _compile(ba: op_lib.BoundArguments, config: Any, arguments: dict[str, Any]):
+def _compile(ba: op_lib.BoundArguments, config: Any, arrays: dict[str, Any]):
   op = dataclasses.replace(ba.op, config=config)
+  static = ba.static
 
-  def run(arguments):
-    return op.call_bound(op_lib.BoundArguments(op, arguments))
+  def run(arrays):
+    return op.call_bound(op_lib.BoundArguments(op, {**arrays, **static}))
 
-  f_std, flat = benchmarking.standardize_function(run, arguments)
+  # Recreate the vmap levels the op was called under, innermost first.
+  for _, axes in ba.vmap_levels:
+    axes = dict(axes)
+    in_axes = jax.tree_util.tree_map_with_path(
+        lambda path, _: axes.get(jax.tree_util.keystr(path)),
+        {n: ba.arguments[n] for n in ba.op.array_args},
+    )
+    run = jax.vmap(run, in_axes=(in_axes,))
+
+  f_std, flat = benchmarking.standardize_function(run, arrays)
   return benchmarking.compile_benchmark(f_std, flat), flat
 
 
@@ -502,8 +527,8 @@ def tune(
   # its own autotuning kernels, which a concurrent CUPTI measurement would
   # count.
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    arguments = _random_arguments(ba)  # one set of inputs for every config
-    futures = [pool.submit(_compile, ba, c, arguments) for c in configs]
+    arrays = _random_arrays(ba)  # one set of inputs for every config
+    futures = [pool.submit(_compile, ba, c, arrays) for c in configs]
     concurrent.futures.wait(futures)
   for config, future in zip(configs, futures):
     try:

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import batching
 
 from tokamax._src import platform
 
@@ -79,20 +80,47 @@ class BoundArguments:
   restore: Callable[[Any], Any] = dataclasses.field(
       default=lambda out: out, repr=False
   )
+  # jax.vmap levels around the call (see vmap_levels); None: read them off
+  # the arguments' tracers.
+  vmap: tuple | None = dataclasses.field(default=None, repr=False)
 
   @property
   def abstract_arguments(self) -> dict[str, Any]:
     """The arguments with every array (also inside pytrees) abstracted."""
     return jax.tree.map(abstractify, dict(self.arguments))
 
+  @property
+  def vmap_levels(self) -> tuple:
+    return self.vmap if self.vmap is not None else vmap_levels(self.arguments)
+
   def abstract(self) -> "BoundArguments":
     """A copy holding no arrays (safe to keep after tracing)."""
-    return BoundArguments(self.op, self.abstract_arguments, self.restore)
+    return BoundArguments(
+        self.op, self.abstract_arguments, self.restore, self.vmap_levels
+    )
 
   @property
   def key(self) -> str:
-    """A stable JSON key of the op name and abstract arguments."""
-    payload = {k: _key_value(v) for k, v in self.abstract_arguments.items()}
+    """A stable JSON key of the abstract arguments (and vmap levels).
+
+    A VJP op's key leaves out its residuals, output and cotangent: their
+    shapes follow from the forward arguments, while which residuals exist can
+    depend on the forward's config (a tuned forward must not hide the VJP's
+    tuned config).
+    """
+    ignored = VJP_INPUTS if self.op.is_vjp else ()
+    payload = {
+        k: _key_value(v) for k, v in self.abstract_arguments.items()
+        if k not in ignored
+    }
+    levels = [
+        (size, [(p, a) for p, a in axes if p.split("'")[1] not in ignored])
+        for size, axes in self.vmap_levels
+    ]
+    if levels:
+      payload["__vmap__"] = [
+          {"size": size, "axes": dict(axes)} for size, axes in levels
+      ]
     return json.dumps(payload, sort_keys=True)
 
   def _identity(self):
@@ -116,6 +144,43 @@ class BoundArguments:
         n: v for n, v in self.arguments.items() if n not in self.op.array_args
     }
 
+
+def vmap_levels(arguments: Mapping[str, Any]) -> tuple:
+  """The jax.vmap levels a call is traced under, innermost first.
+
+  Each level is (axis size, ((argument path, batch axis), ...)) for the
+  arguments it maps; the per-example shapes are those the op sees. Read off
+  the arguments' batching tracers (JAX internals; jax is pinned).
+  """
+  chains = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(dict(arguments))[0]:
+    chain = []
+    while isinstance(x, batching.BatchTracer):
+      axis = x.batch_dim if isinstance(x.batch_dim, int) else None
+      chain.append((x._trace, axis, None if axis is None else x.val.shape[axis]))
+      x = x.val
+    if chain:
+      chains[jax.tree_util.keystr(path)] = chain
+  # A trace's depth: how many vmap levels sit outside it (innermost = most).
+  depth = {}
+  for chain in chains.values():
+    for i, (trace, _, _) in enumerate(chain):
+      depth[trace] = max(depth.get(trace, 0), len(chain) - 1 - i)
+  levels = []
+  for trace in sorted(depth, key=lambda t: -depth[t]):
+    axes, size = [], None
+    for path, chain in sorted(chains.items()):
+      for t, axis, n in chain:
+        if t is trace and axis is not None:
+          axes.append((path, axis))
+          size = n
+    if axes:
+      levels.append((size, tuple(axes)))
+  return tuple(levels)
+
+
+# The leading arguments of every VJP op (see Op.call_bound).
+VJP_INPUTS = ("residuals", "out", "dout")
 
 # Config sources consulted between a pinned config and the heuristics, in
 # order (autotuning contexts, caches). Each returns a config or None.
@@ -157,6 +222,8 @@ class Op(abc.ABC):
   residuals_kind: ClassVar[str | None] = None
   # For VJP ops: whether the forward output must be saved for the gradient.
   uses_out: ClassVar[bool] = True
+  # VJP ops take (residuals, out, dout, *forward arguments).
+  is_vjp: ClassVar[bool] = False
 
   def __post_init__(self):
     if self.config is not None and not isinstance(self.config, self.config_cls):
@@ -306,6 +373,7 @@ class AutodiffVjp(Op):
 
   implementation: ClassVar[str] = "xla"
   uses_out: ClassVar[bool] = False
+  is_vjp: ClassVar[bool] = True
 
   def _bind(self, residuals, out, dout, **kwargs):
     arguments = dict(residuals=residuals, out=out, dout=dout, **kwargs)

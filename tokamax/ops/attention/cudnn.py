@@ -78,6 +78,7 @@ class CudnnDotProductAttentionVjp(op_lib.Op):
   op_name = "dot_product_attention_vjp"
   implementation = "cudnn"
   array_args = ("residuals", "out", "dout") + base.DotProductAttention.array_args
+  is_vjp = True
   residuals_kind = "cudnn_pullback"
   uses_out = False
 

@@ -154,6 +154,7 @@ class ChunkedDotProductAttentionVjp(op_lib.Op):
   op_name = "dot_product_attention_vjp"
   implementation = "xla_chunked"
   array_args = ("residuals", "out", "dout") + base.DotProductAttention.array_args
+  is_vjp = True
   config_cls = ChunkedAttentionConfig
   residuals_kind = "attention_lse"
 

@@ -114,6 +114,7 @@ class LayerNormVjp(op_lib.Op):
   op_name = "layer_norm_vjp"
   implementation = "xla"
   array_args = ("residuals", "out", "dout", "x", "scale", "offset")
+  is_vjp = True
   uses_out = False
 
   def _bind(self, residuals, out, dout, x, scale, offset, **static):
