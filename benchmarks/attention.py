@@ -9,14 +9,12 @@ ITERATIONS runs, bf16 random inputs; FLOPs by the FlashAttention convention:
 
 from __future__ import annotations
 
-import datetime
-import json
-import pathlib
 import sys
 
 import jax
 import jax.numpy as jnp
 
+import common
 import tokamax
 from tokamax._src import benchmarking
 from tokamax.ops.attention import xla_chunked
@@ -58,7 +56,6 @@ def _time(f, args, mode):
 
 def main(out_dir="."):
   rows = []
-  dev = jax.devices()[0]
   for label, shape in SHAPES.items():
     b, t, n, h = shape
     spec = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
@@ -92,10 +89,7 @@ def main(out_dir="."):
                    impl="dense matmul 8192^3", ms=ms, tflops=2 * 8192**3 / ms / 1e9,
                    method=data.method))
   print(_fmt(rows[-1]))
-  meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind,
-              jax=jax.__version__, iterations=ITERATIONS)
-  path = pathlib.Path(out_dir) / "attention.json"
-  path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  meta = common.save(out_dir, "attention", rows, iterations=ITERATIONS)
   print(f"\n{meta}")
   print(markdown(rows))
 
@@ -108,14 +102,10 @@ def _fmt(r):
 
 
 def markdown(rows):
-  lines = ["| shape | causal | mode | implementation | median ms | TFLOP/s |",
-           "|---|---|---|---|---|---|"]
-  for r in rows:
-    if "error" in r:
-      lines.append(f"| {r['shape']} | {r['causal']} | {r['mode']} | {r['impl']} | n/a | {r['error'][:80]} |")
-    else:
-      lines.append(f"| {r['shape']} | {r['causal']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} |")
-  return "\n".join(lines)
+  return common.markdown(rows, [
+      ("shape", "shape", ""), ("causal", "causal", ""), ("mode", "mode", ""),
+      ("implementation", "impl", ""), ("median ms", "ms", ".3f"),
+      ("TFLOP/s", "tflops", ".1f")])
 
 
 if __name__ == "__main__":

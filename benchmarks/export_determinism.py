@@ -6,27 +6,20 @@ XLA_FLAGS and once with XLA_FLAGS=--xla_gpu_deterministic_ops=true).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 
 import jax
 import jax.numpy as jnp
 from jax import export
 
+import common
 import tokamax
 
-_DEMO = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
-_spec = importlib.util.spec_from_file_location("demo", _DEMO)
-demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(demo)
+demo = common.load_demo()
 
 
 def main():
-  on_gpu = jax.default_backend() == "gpu"
-  channels, seq_len, batch, heads = demo.SEED_SHAPE if on_gpu else demo.SMALL_SHAPE
-  scale = jax.random.normal(jax.random.key(0), (channels,), jnp.float32)
-  x = jax.random.normal(jax.random.key(1), (batch, seq_len, heads, channels), jnp.bfloat16)
+  x, scale = common.seed_inputs(demo)
   impls = demo.runnable_implementations(x, scale, log=lambda *_: None)
   f_grad = jax.jit(jax.grad(demo.make_loss(impls)))
   a, b = f_grad(x, scale), f_grad(x, scale)

@@ -13,14 +13,12 @@ the script stays a quick smoke test (the triton rows then report the refusal).
 
 from __future__ import annotations
 
-import datetime
-import json
-import pathlib
 import sys
 
 import jax
 import jax.numpy as jnp
 
+import common
 import tokamax
 from tokamax._src import benchmarking
 
@@ -38,8 +36,8 @@ def _time(f, args, mode):
 
 
 def main(out_dir="."):
-  dev = jax.devices()[0]
-  on_gpu = dev.platform == "gpu"
+
+  on_gpu = jax.default_backend() == "gpu"
   rows = []
   for label, (r, f) in SHAPES.items():
     if not on_gpu:
@@ -62,10 +60,7 @@ def main(out_dir="."):
           row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
         print(_fmt(row), flush=True)
-  meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind,
-              jax=jax.__version__, iterations=ITERATIONS)
-  path = pathlib.Path(out_dir) / "layer_norm.json"
-  path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  meta = common.save(out_dir, "layer_norm", rows, iterations=ITERATIONS)
   print(f"\n{meta}")
   print(markdown(rows))
 
@@ -78,14 +73,10 @@ def _fmt(r):
 
 
 def markdown(rows):
-  lines = ["| x (bf16) | mode | implementation | median ms | effective TB/s |",
-           "|---|---|---|---|---|"]
-  for r in rows:
-    if "error" in r:
-      lines.append(f"| {r['shape']} | {r['mode']} | {r['impl']} | n/a | {r['error'][:80]} |")
-    else:
-      lines.append(f"| {r['shape']} | {r['mode']} | {r['impl']} | {r['ms']:.3f} | {r['tbps']:.2f} |")
-  return "\n".join(lines)
+  return common.markdown(rows, [
+      ("x (bf16)", "shape", ""), ("mode", "mode", ""),
+      ("implementation", "impl", ""), ("median ms", "ms", ".3f"),
+      ("effective TB/s", "tbps", ".2f")])
 
 
 if __name__ == "__main__":

@@ -5,29 +5,22 @@ Usage: python benchmarks/seed_flow.py [OUT_DIR]; writes seed_flow.json.
 
 from __future__ import annotations
 
-import datetime
-import importlib.util
 import json
-import pathlib
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
+import common
 import tokamax
 
-_DEMO = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
-_spec = importlib.util.spec_from_file_location("demo", _DEMO)
-demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(demo)
+demo = common.load_demo()
 
 
 def main(out_dir="."):
   on_gpu = jax.default_backend() == "gpu"
-  channels, seq_len, batch, heads = demo.SEED_SHAPE if on_gpu else demo.SMALL_SHAPE
-  scale = jax.random.normal(jax.random.key(0), (channels,), jnp.float32)
-  x = jax.random.normal(jax.random.key(1), (batch, seq_len, heads, channels), jnp.bfloat16)
+  x, scale = common.seed_inputs(demo)
   impls = demo.runnable_implementations(x, scale, log=lambda *_: None)
   loss = demo.make_loss(impls)
   f_grad = jax.jit(jax.grad(loss))
@@ -50,11 +43,8 @@ def main(out_dir="."):
   rows["f_grad_compile_ms"] = data.compile_time_ms
   rows["f_grad_lowering_ms"] = data.lowering_time_ms
   rows["peak_memory_bytes"] = data.peak_memory_bytes
-  meta = dict(date=datetime.date.today().isoformat(),
-              device=jax.devices()[0].device_kind, jax=jax.__version__,
-              shape=[batch, seq_len, heads, channels])
+  meta = common.save(out_dir, "seed_flow", rows, shape=list(x.shape))
   text = json.dumps(dict(meta=meta, rows=rows), indent=1)
-  (pathlib.Path(out_dir) / "seed_flow.json").write_text(text)
   print(text)
 
 

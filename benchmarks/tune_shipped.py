@@ -8,20 +8,16 @@ seed attention shape, causal and not, with "xla_chunked".
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
 
+import common
 import tokamax
 
-_DEMO = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
-_spec = importlib.util.spec_from_file_location("demo", _DEMO)
-demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(demo)
+demo = common.load_demo()
 
 
 def _tune(name, f, *args):
@@ -36,9 +32,7 @@ def _tune(name, f, *args):
 def main():
   assert os.environ.get("TOKAMAX_CACHE_DIR"), "set TOKAMAX_CACHE_DIR"
   on_gpu = jax.default_backend() == "gpu"
-  channels, seq_len, batch, heads = demo.SEED_SHAPE if on_gpu else demo.SMALL_SHAPE
-  scale = jax.random.normal(jax.random.key(0), (channels,), jnp.float32)
-  x = jax.random.normal(jax.random.key(1), (batch, seq_len, heads, channels), jnp.bfloat16)
+  x, scale = common.seed_inputs(demo)
   impls = demo.runnable_implementations(x, scale, log=lambda *_: None)
   _tune("seed f_grad", jax.jit(jax.grad(demo.make_loss(impls))), x, scale)
 

@@ -1,0 +1,55 @@
+"""Shared helpers of the benchmark scripts (run as `python benchmarks/X.py`)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_demo():
+  """scripts/demo.py as a module (the seed flow's building blocks)."""
+  spec = importlib.util.spec_from_file_location("demo", _ROOT / "scripts" / "demo.py")
+  demo = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(demo)
+  return demo
+
+
+def seed_inputs(demo):
+  """The seed's x and scale: seed shape on a GPU, the demo's small one elsewhere."""
+  on_gpu = jax.default_backend() == "gpu"
+  channels, seq_len, batch, heads = demo.SEED_SHAPE if on_gpu else demo.SMALL_SHAPE
+  scale = jax.random.normal(jax.random.key(0), (channels,), jnp.float32)
+  x = jax.random.normal(
+      jax.random.key(1), (batch, seq_len, heads, channels), jnp.bfloat16)
+  return x, scale
+
+
+def save(out_dir, name: str, rows, **meta) -> dict:
+  """Writes OUT_DIR/NAME.json with date, device and jax version; returns meta."""
+  meta = dict(date=datetime.date.today().isoformat(),
+              device=jax.devices()[0].device_kind, jax=jax.__version__, **meta)
+  path = pathlib.Path(out_dir) / f"{name}.json"
+  path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  return meta
+
+
+def markdown(rows, columns) -> str:
+  """A markdown table; columns are (header, key, format) triples."""
+  lines = ["| " + " | ".join(h for h, _, _ in columns) + " |",
+           "|" + "---|" * len(columns)]
+  for r in rows:
+    cells = []
+    for _, key, fmt in columns:
+      value = r.get(key)
+      cells.append("n/a" if value is None else format(value, fmt))
+    if "error" in r:
+      cells[-1] = r["error"][:80]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
