@@ -20,27 +20,35 @@ from tokamax._src import benchmarking
 from tokamax.ops.attention import xla_chunked
 
 ITERATIONS = 20
-SHAPES = {"seed B32 T2048 N16 H64": (32, 2048, 16, 64)}
+# label: ((B, T, N, K, H), causal flags, with the slow XLA variants)
+SHAPES = {
+    "seed B32 T2048 N16 H64": ((32, 2048, 16, 16, 64), (False, True), True),
+    "B8 T4096 N16 H128": ((8, 4096, 16, 16, 128), (False, True), False),
+    "GQA B4 T4096 N32 K8 H128": ((4, 4096, 32, 8, 128), (True,), False),
+}
 CHUNK_CONFIGS = [(2048, 512), (2048, 1024), (1024, 1024)]
 
 
 def _flops(shape, causal, mode):
-  b, t, n, h = shape
+  b, t, n, _, h = shape
   f = 4 * b * n * t * t * h
   if mode == "forward_and_vjp":
     f *= 3.5
   return f / 2 if causal else f
 
 
-def _candidates():
-  yield "tokamax xla", lambda **kw: tokamax.dot_product_attention(
-      **kw, implementation="xla")
-  yield "tokamax xla_chunked (heuristic)", lambda **kw: tokamax.dot_product_attention(
-      **kw, implementation="xla_chunked")
-  for tq, sk in CHUNK_CONFIGS:
-    op = xla_chunked.ChunkedDotProductAttention(
-        config=xla_chunked.ChunkedAttentionConfig(q_chunk_size=tq, kv_chunk_size=sk))
-    yield f"tokamax xla_chunked q{tq} kv{sk}", lambda op=op, **kw: op(**kw)
+def _candidates(slow_xla):
+  yield "tokamax triton (heuristic)", lambda **kw: tokamax.dot_product_attention(
+      **kw, implementation="triton")
+  if slow_xla:
+    yield "tokamax xla", lambda **kw: tokamax.dot_product_attention(
+        **kw, implementation="xla")
+    yield "tokamax xla_chunked (heuristic)", lambda **kw: tokamax.dot_product_attention(
+        **kw, implementation="xla_chunked")
+    for tq, sk in CHUNK_CONFIGS:
+      op = xla_chunked.ChunkedDotProductAttention(
+          config=xla_chunked.ChunkedAttentionConfig(q_chunk_size=tq, kv_chunk_size=sk))
+      yield f"tokamax xla_chunked q{tq} kv{sk}", lambda op=op, **kw: op(**kw)
   yield "tokamax cudnn", lambda **kw: tokamax.dot_product_attention(
       **kw, implementation="cudnn")
   yield "jax.nn xla", lambda **kw: jax.nn.dot_product_attention(
@@ -56,15 +64,16 @@ def _time(f, args, mode):
 
 def main(out_dir="."):
   rows = []
-  for label, shape in SHAPES.items():
-    b, t, n, h = shape
+  for label, (shape, causals, slow_xla) in SHAPES.items():
+    b, t, n, kh, h = shape
     spec = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
-    for causal in (False, True):
+    kv_spec = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
+    for causal in causals:
       for mode in ("forward", "forward_and_vjp"):
-        for name, fn in _candidates():
+        for name, fn in _candidates(slow_xla):
           f = lambda q, k, v, fn=fn: fn(query=q, key=k, value=v, is_causal=causal)
           try:
-            data = _time(f, (spec, spec, spec), mode)
+            data = _time(f, (spec, kv_spec, kv_spec), mode)
             ms = data.median_evaluation_time_ms
             tflops = _flops(shape, causal, mode) / ms / 1e9
             rows.append(dict(shape=label, causal=causal, mode=mode, impl=name,
@@ -89,6 +98,11 @@ def main(out_dir="."):
                    impl="dense matmul 8192^3", ms=ms, tflops=2 * 8192**3 / ms / 1e9,
                    method=data.method))
   print(_fmt(rows[-1]))
+  for r in rows:  # throughput relative to cuDNN (jax.nn) in the same run
+    peer = [p for p in rows if p["impl"] == "jax.nn cudnn" and "ms" in p
+            and (p["shape"], p["causal"], p["mode"]) == (r["shape"], r["causal"], r["mode"])]
+    if peer and "ms" in r and not r["impl"].startswith("dense"):
+      r["vs_cudnn"] = peer[0]["ms"] / r["ms"]
   meta = common.save(out_dir, "attention", rows, iterations=ITERATIONS)
   print(f"\n{meta}")
   print(markdown(rows))
@@ -105,7 +119,7 @@ def markdown(rows):
   return common.markdown(rows, [
       ("shape", "shape", ""), ("causal", "causal", ""), ("mode", "mode", ""),
       ("implementation", "impl", ""), ("median ms", "ms", ".3f"),
-      ("TFLOP/s", "tflops", ".1f")])
+      ("TFLOP/s", "tflops", ".1f"), ("x cuDNN", "vs_cudnn", ".2f")])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|ship|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -30,6 +30,22 @@ if [[ $what == ship ]]; then
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -12
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
     tests/test_autotuning.py 2>&1 | tail -4
+  exit
+fi
+if [[ $what == attn ]]; then
+  # Triton attention: GPU tests, then the config sweep at the benchmark shapes.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m pytest -q -n 4 -p no:cacheprovider \
+    -m gpu tests/test_attention.py -k "${TESTS:-Triton}" -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  python3 benchmarks/attention_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/sweep.log" | tail -80
+  exit
+fi
+if [[ $what == attn_bench ]]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -n 4 -p no:cacheprovider \
+    -m gpu tests/test_layer_norm.py tests/test_attention.py -k "${TESTS:-Triton}" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -8
+  python3 benchmarks/attention.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/bench.log" | tail -60
   exit
 fi
 if [[ $what == ln ]]; then

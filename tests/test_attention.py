@@ -320,3 +320,198 @@ class TestCudnn(AttentionTestBase):
       "combined", "combined_no_batch", "bias_broadcast",
   })
   unsupported_grad = frozenset({"odd_sizes"})  # cuDNN trains only even T, S
+
+
+# --- "triton": interpret mode on CPU, lowering for CUDA, real GPU ---------
+
+from tokamax._src import pallas_triton  # noqa: E402
+from tokamax.ops.attention import triton as triton_attn  # noqa: E402
+
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _triton_op(fwd: dict, bwd: dict | None = None):
+  """A "triton" op with pinned forward and VJP configs."""
+  return triton_attn.TritonDotProductAttention(
+      config=triton_attn.TritonAttentionConfig(**fwd),
+      vjp=triton_attn.TritonDotProductAttentionVjp(
+          config=triton_attn.TritonAttentionVjpConfig(**(bwd or {}))),
+  )
+
+
+class _InterpretMixin:
+  # Class scope: hypothesis refuses function-scoped fixtures. In interpret
+  # mode Pallas fills outputs with NaN before the kernel runs, so an element
+  # a kernel leaves unwritten fails the finiteness check of every comparison.
+  @pytest.fixture(autouse=True, scope="class")
+  @classmethod
+  def _interpret(cls):
+    with pallas_triton.interpret_mode():
+      yield
+
+
+class TestTritonInterpret(_InterpretMixin, AttentionTestBase):
+  """The whole base with the Triton kernels in interpret mode (CPU).
+
+  At these sizes every call is a single block (blocks are clipped to the
+  padded lengths); TestTritonInterpretSmallBlocks covers many blocks.
+  """
+
+  implementation = "triton"
+  dtypes = (F32, BF16, F16)
+
+  def test_head_dim_too_large_refused(self):
+    q = jax.ShapeDtypeStruct((1, 16, 1, 264), BF16)
+    with pytest.raises(NotImplementedError, match="triton.*head dims up to 256"):
+      jax.eval_shape(self.attention, q, q, q)
+
+
+class TestTritonInterpretSmallBlocks(_InterpretMixin, AttentionTestBase):
+  """16x16 blocks: block skipping, full/masked loops, padding of T and S."""
+
+  implementation = "triton"
+  op = _triton_op(
+      dict(block_q=16, block_k=16, num_warps=4, num_stages=2),
+      dict(block_k=16, block_q=16, dq_block_q=16, dq_block_k=16),
+  )
+  dtypes = (F32, BF16, F16)
+
+  @pytest.mark.parametrize("feature", sorted(FEATURES))
+  def test_feature(self, feature):  # f32 only: the block logic is dtype-free
+    self.check(FEATURES[feature], F32, feature)
+
+  @hypothesis.settings(max_examples=10, deadline=None)
+  @hypothesis.given(
+      t=st.integers(1, 70), s=st.integers(1, 70), bq=st.sampled_from([16, 32]),
+      bk=st.sampled_from([16, 32]), kh=st.integers(1, 2), g=st.integers(1, 2),
+      causal=st.booleans(),
+      window=st.sampled_from([None, 3, (0, 5), (4, 0), (20, None), (None, 9)]),
+      bias=st.booleans(), lens=st.booleans(), h=st.sampled_from([16, 40]),
+  )
+  def test_hypothesis_blocks(self, t, s, bq, bk, kh, g, causal, window, bias,
+                             lens, h):
+    kwargs = (("is_causal", causal), ("local_window_size", window))
+    c = Case(batch=(2,), t=t, s=s, n=kh * g, kh=kh, h=h, kwargs=kwargs,
+             bias=(1, kh * g, t, s) if bias else None, q_lens=lens, kv_lens=lens)
+    self.op = _triton_op(
+        dict(block_q=bq, block_k=bk),
+        dict(block_k=bk, block_q=bq, dq_block_q=bq, dq_block_k=bk),
+    )
+    self.check(c, F32)
+
+
+def _lower_text(fn, *args):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# (B, T, S, N, K, H, Hv, dtype, features)
+LOWER_CASES = {
+    "seed_B32_T2048_N16_H64": ((32, 2048, 2048, 16, 16, 64, 64), BF16, {}),
+    "B8_T4096_N16_H128_causal": ((8, 4096, 4096, 16, 16, 128, 128), BF16,
+                                 dict(is_causal=True)),
+    "gqa_H128_causal": ((1, 4096, 4096, 32, 8, 128, 128), BF16, dict(is_causal=True)),
+    "H256_f16": ((2, 512, 512, 4, 4, 256, 256), F16, {}),
+    "H80_Hv48_f32_window": ((2, 300, 200, 4, 2, 80, 48), F32,
+                            dict(local_window_size=(64, 8))),
+    "H32_all_features": ((2, 256, 384, 4, 2, 32, 32), BF16, "all"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOWER_CASES))
+def test_triton_lowers_for_cuda(name):
+  """Forward and gradient lower for an H200 on CPU (power-of-2 blocks etc.)."""
+  (b, t, s, n, kh, h, hv), dtype, kw = LOWER_CASES[name]
+  spec = jax.ShapeDtypeStruct
+  arrays = dict(query=spec((b, t, n, h), dtype), key=spec((b, s, kh, h), dtype),
+                value=spec((b, s, kh, hv), dtype))
+  if kw == "all":
+    arrays.update(bias=spec((b, n, t, s), dtype), mask=spec((1, 1, t, s), jnp.bool_),
+                  query_seq_lengths=spec((b,), jnp.int32),
+                  key_value_seq_lengths=spec((b,), jnp.int32))
+    kw = dict(is_causal=True, local_window_size=(100, None), logits_soft_cap=20.0)
+  diff = [k for k in ("query", "key", "value", "bias") if k in arrays]
+
+  def f(**a):
+    return tokamax.dot_product_attention(**a, **kw, implementation="triton")
+
+  def loss(d, rest):
+    return jnp.sum(f(**d, **rest).astype(F32))
+
+  rest = {k: v for k, v in arrays.items() if k not in diff}
+  d = {k: arrays[k] for k in diff}
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    fwd_text = _lower_text(lambda a: f(**a), arrays)
+    grad_text = _lower_text(jax.grad(loss), d, rest)
+  assert fwd_text.count(TRITON_TARGET) == 1
+  assert grad_text.count(TRITON_TARGET) == 3  # forward, dk/dv, dq
+
+
+def test_triton_cross_compile_dispatch():
+  """Under an H200 target the default order reaches "triton" or falls back."""
+  q = jax.ShapeDtypeStruct((2, 256, 4, 64), BF16)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(lambda q: tokamax.dot_product_attention(
+        q, q, q, implementation=["triton", "xla"]), q)
+    assert TRITON_TARGET in text
+    q64 = jax.ShapeDtypeStruct((2, 256, 4, 64), F64)
+    with pytest.raises(NotImplementedError, match="triton.*fp64"):
+      _lower_text(lambda q: tokamax.dot_product_attention(
+          q, q, q, implementation="triton"), q64)
+  with tokamax.config.cross_compile("NVIDIA V100"):
+    with pytest.raises(NotImplementedError, match="triton.*requires an NVIDIA GPU"):
+      _lower_text(lambda q: tokamax.dot_product_attention(
+          q, q, q, implementation="triton"), q)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU platform check")
+def test_triton_refuses_on_cpu_without_interpret():
+  q = jnp.ones((1, 8, 2, 16), F32)
+  with pytest.raises(NotImplementedError, match="triton.*requires an NVIDIA GPU"):
+    tokamax.dot_product_attention(q, q, q, implementation="triton")
+
+
+@pytest.mark.parametrize("bad", [
+    dict(block_q=48), dict(block_k=8), dict(num_warps=3), dict(num_warps=32),
+    dict(num_stages=0),
+])
+def test_triton_config_validation(bad):
+  with pytest.raises(ValueError):
+    triton_attn.TritonAttentionConfig(**bad)
+
+
+def test_triton_heuristics_and_search_space_are_valid():
+  for t, s, h, size in [(2048, 2048, 64, 2), (4096, 4096, 128, 2), (40, 70, 256, 2),
+                        (7, 9, 80, 4)]:
+    c = triton_attn.heuristic_config(t, s, h, size)
+    assert c.block_q <= max(16, pallas_triton.next_pow2(t))
+    space = triton_attn.search_space(t, s, h, size)
+    assert space and all(isinstance(x, triton_attn.TritonAttentionConfig) for x in space)
+    assert triton_attn.vjp_search_space(t, s, h, size)
+    triton_attn.vjp_heuristic_config(t, s, h, size)
+
+
+@pytest.mark.gpu
+class TestTritonGpu(AttentionTestBase):
+  """The whole base with the compiled Triton kernels on an NVIDIA GPU."""
+
+  implementation = "triton"
+  dtypes = (F32, BF16, F16)
+
+  @pytest.mark.parametrize("causal", [False, True])
+  @pytest.mark.parametrize("shape", [(1, 4096, 16, 16, 128), (1, 1024, 32, 8, 128),
+                                     (1, 1000, 4, 4, 256), (2, 777, 4, 2, 80)])
+  def test_real_size_shapes(self, shape, causal):
+    b, t, n, kh, h = shape
+    self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h,
+                    kwargs=(("is_causal", causal),)), BF16)
+
+
+@pytest.mark.gpu
+class TestTritonGpuSmallBlocks(AttentionTestBase):
+  """Many blocks on the GPU: block skipping with every feature."""
+
+  implementation = "triton"
+  op = _triton_op(dict(block_q=16, block_k=16),
+                  dict(block_k=16, block_q=16, dq_block_q=16, dq_block_k=16))
+  dtypes = (F32, BF16, F16)

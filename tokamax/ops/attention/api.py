@@ -6,16 +6,13 @@ from typing import Any
 
 from tokamax._src import dispatch
 from tokamax._src import platform
-from tokamax.ops.attention import cudnn, xla, xla_chunked
+from tokamax.ops.attention import cudnn, triton, xla, xla_chunked
 
 _OP = "dot_product_attention"
 dispatch.register(_OP, "xla", xla.DotProductAttention)
 dispatch.register(_OP, "xla_chunked", xla_chunked.ChunkedDotProductAttention)
 dispatch.register(_OP, "cudnn", cudnn.CudnnDotProductAttention)
-dispatch.register(
-    _OP, "triton",
-    dispatch.planned(_OP, "triton", "issue #4: Pallas:Triton kernels"),
-)
+dispatch.register(_OP, "triton", triton.TritonDotProductAttention)
 dispatch.register(
     _OP, "mosaic",
     dispatch.planned(
@@ -26,8 +23,11 @@ dispatch.register(
 
 
 def _default_order(target: platform.Target) -> list[str]:
+  # "triton" is slower than cuDNN at every shape measured on the H200
+  # (docs/benchmarks.md) and much faster than XLA: it serves what cuDNN
+  # refuses (soft cap, f32, Hv != H, windows, causal with T != S, ...).
   if target.is_nvidia_gpu:
-    return ["mosaic", "triton", "cudnn", "xla"]
+    return ["mosaic", "cudnn", "triton", "xla"]
   return ["xla"]
 
 

@@ -23,65 +23,38 @@ f32 inputs and parameters, the last axis only, F <= 16384.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import pydantic
 from jax import lax
-from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from tokamax._src import op as op_lib
-from tokamax._src import platform
+from tokamax._src import pallas_triton
+from tokamax._src.pallas_triton import (  # noqa: F401 (public re-exports)
+    INTERPRET, interpret_mode,
+)
 from tokamax.ops.normalization import xla
 
-# Runs the kernels with `interpret=True` (on any backend) and skips the
-# platform check. Part of JAX's jit key, so jitted functions retrace when it
-# changes. Thread-local inside `interpret_mode()`; set it process-wide (e.g.
-# for autotuning, which benchmarks in worker threads) with the env var
-# TOKAMAX_TRITON_INTERPRET=1 or jax.config.update("tokamax_triton_interpret",
-# True).
-INTERPRET = jax_config.bool_state(
-    "tokamax_triton_interpret",
-    default=False,
-    help="Run tokamax's Pallas:Triton kernels in interpret mode (tests).",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-)
-
-
-@contextlib.contextmanager
-def interpret_mode(enabled: bool = True) -> Iterator[None]:
-  """Runs tokamax's Triton layer_norm kernels in interpret mode inside."""
-  with INTERPRET(enabled):
-    yield
+_is_pow2 = pallas_triton.is_pow2
+_next_pow2 = pallas_triton.next_pow2
+_prev_pow2 = pallas_triton.prev_pow2
+_i32 = pallas_triton.i32
 
 
 MAX_FEATURES = 16384
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Heuristic targets: bytes a forward program moves (x read + y written), and
 # f32 values per thread in one [block_rows, Fp] tile (register budget; the
 # backward keeps ~4 such tiles live).
 _TARGET_BYTES = 32 * 1024
 _VALUES_PER_THREAD = 32
-_DEFAULT_SMS = 132  # H200; used when the device does not say.
 
 
-def _is_pow2(n: int) -> bool:
-  return n >= 1 and n & (n - 1) == 0
 
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
-
-
-def _prev_pow2(n: int) -> int:
-  return 1 << (max(1, n).bit_length() - 1)
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -147,37 +120,17 @@ def search_space(rows: int, features: int, itemsize: int) -> set[TritonLayerNorm
 
 
 def _num_sms() -> int:
-  """SMs of the (abstract or attached) GPU, else the H200's."""
-  dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  n = getattr(dev, "num_cores", None)
-  if not n:
-    d = jax.devices()[0]
-    n = getattr(d, "core_count", None) if d.platform == "gpu" else None
-  return int(n) if n else _DEFAULT_SMS
+  return pallas_triton.num_sms()
 
 
 def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
   """Shared by the forward and the VJP (`ba`: the forward's arguments)."""
-  if not INTERPRET.value:
-    target = platform.current_target()
-    if not (target.is_nvidia_gpu and target.compute_capability >= (8, 0)):
-      raise op.unsupported(
-          "requires an NVIDIA GPU (sm_80 or newer), but the target is"
-          f" {target.describe()}."
-      )
+  pallas_triton.check_platform(op)
   args = ba.arguments
   x = args["x"]
   for name in ("x", "scale", "offset"):
-    a = args[name]
-    if a is None:
-      continue
-    if jnp.dtype(a.dtype) == jnp.float64:
-      raise op.unsupported("fp64 is not supported by the triton kernels.")
-    if jnp.dtype(a.dtype) not in _DTYPES:
-      raise op.unsupported(
-          f"{name} must be bf16, f16 or f32 for the triton kernels, got"
-          f" {jnp.dtype(a.dtype).name}."
-      )
+    if args[name] is not None:
+      pallas_triton.check_dtype(op, name, args[name].dtype)
   if args["axis"] != x.ndim - 1:
     raise op.unsupported(
         f"the kernel normalises only the last axis (got axis {args['axis']} of"
@@ -191,19 +144,10 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
 
 
 def _pallas_call(kernel, *, out_shape, grid, config, name):
-  return pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=grid,
-      compiler_params=pltr.CompilerParams(num_warps=config.num_warps),
-      interpret=INTERPRET.value,
+  return pallas_triton.pallas_call(
+      kernel, out_shape=out_shape, grid=grid, num_warps=config.num_warps,
       name=name,
   )
-
-
-def _i32(v):
-  """An int32 index (slice starts must share one dtype, also under x64)."""
-  return jnp.asarray(v, jnp.int32)
 
 
 def _tile_mask(r0, block_rows, rows, fp, features):
@@ -320,12 +264,13 @@ def _statistics(x, epsilon, subtract_mean):
   return mean, lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + epsilon)
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonLayerNormVjp(xla.LayerNormVjp):
-  """dx by a Triton kernel; dscale/doffset from per-program partial sums."""
+class _TritonLayerNormMixin:
+  """Support checks, config and search space shared by forward and VJP."""
 
-  implementation = "triton"
   config_cls = TritonLayerNormConfig
+
+  def supported_on(self, device) -> bool:
+    return pallas_triton.supported_on(device)
 
   def check_supported(self, ba):
     check_supported(self, ba)
@@ -335,6 +280,13 @@ class TritonLayerNormVjp(xla.LayerNormVjp):
 
   def _get_autotuning_configs(self, ba):
     return search_space(*_rows_features(ba))
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
+  """dx by a Triton kernel; dscale/doffset from per-program partial sums."""
+
+  implementation = "triton"
 
   def _fwd(
       self, *, residuals, out, dout, x, scale, offset, axis, epsilon,
@@ -392,26 +344,11 @@ class TritonLayerNormVjp(xla.LayerNormVjp):
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonLayerNorm(xla.LayerNorm):
+class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
   """Fused layer norm / RMS norm forward in one Triton kernel."""
 
   implementation = "triton"
-  config_cls = TritonLayerNormConfig
   vjp: op_lib.Op | None = dataclasses.field(default_factory=TritonLayerNormVjp)
-
-  def supported_on(self, device) -> bool:
-    if isinstance(device, platform.Target):
-      return device.is_nvidia_gpu and device.compute_capability >= (8, 0)
-    return device.platform == "gpu"
-
-  def check_supported(self, ba):
-    check_supported(self, ba)
-
-  def _get_heuristics_config(self, ba):
-    return heuristic_config(*_rows_features(ba))
-
-  def _get_autotuning_configs(self, ba):
-    return search_space(*_rows_features(ba))
 
   def _fwd(
       self, *, x, scale, offset, axis, epsilon, scale_offset, subtract_mean,

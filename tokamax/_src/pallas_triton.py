@@ -1,0 +1,116 @@
+"""Helpers shared by the Pallas:Triton kernels (`ops/*/triton.py`).
+
+Interpret mode: `INTERPRET` runs every tokamax Triton kernel with
+`interpret=True` (any backend) and skips the platform check. It is part of
+JAX's jit key, so jitted functions retrace when it changes. Thread-local inside
+`interpret_mode()`; set it process-wide (e.g. for autotuning, which benchmarks
+in worker threads) with TOKAMAX_TRITON_INTERPRET=1 or
+jax.config.update("tokamax_triton_interpret", True).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from tokamax._src import op as op_lib
+from tokamax._src import platform
+
+INTERPRET = jax_config.bool_state(
+    "tokamax_triton_interpret",
+    default=False,
+    help="Run tokamax's Pallas:Triton kernels in interpret mode (tests).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+_DEFAULT_SMS = 132  # H200; used when the device does not say.
+SUPPORTED_DTYPES = (
+    jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+)
+
+
+@contextlib.contextmanager
+def interpret_mode(enabled: bool = True) -> Iterator[None]:
+  """Runs tokamax's Triton kernels in interpret mode inside."""
+  with INTERPRET(enabled):
+    yield
+
+
+def is_pow2(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def prev_pow2(n: int) -> int:
+  return 1 << (max(1, n).bit_length() - 1)
+
+
+def i32(v):
+  """An int32 scalar (slice starts must share one dtype, also under x64)."""
+  return jnp.asarray(v, jnp.int32)
+
+
+def num_sms() -> int:
+  """SMs of the (abstract or attached) GPU, else the H200's."""
+  dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  n = getattr(dev, "num_cores", None)
+  if not n:
+    d = jax.devices()[0]
+    n = getattr(d, "core_count", None) if d.platform == "gpu" else None
+  return int(n) if n else _DEFAULT_SMS
+
+
+def supported_on(device) -> bool:
+  """NVIDIA sm_80+ (a `platform.Target` or an attached jax device)."""
+  if isinstance(device, platform.Target):
+    return device.is_nvidia_gpu and device.compute_capability >= (8, 0)
+  return device.platform == "gpu"
+
+
+def check_platform(op: op_lib.Op) -> None:
+  """Raises op.unsupported(...) unless the target runs Triton (or interpret)."""
+  if INTERPRET.value:
+    return
+  target = platform.current_target()
+  if not supported_on(target):
+    raise op.unsupported(
+        "requires an NVIDIA GPU (sm_80 or newer), but the target is"
+        f" {target.describe()}."
+    )
+
+
+def check_dtype(op: op_lib.Op, name: str, dtype) -> None:
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float64:
+    raise op.unsupported("fp64 is not supported by the triton kernels.")
+  if dtype not in SUPPORTED_DTYPES:
+    raise op.unsupported(
+        f"{name} must be bf16, f16 or f32 for the triton kernels, got"
+        f" {dtype.name}."
+    )
+
+
+def pallas_call(kernel, *, out_shape, grid, num_warps, num_stages=None, name,
+                input_output_aliases=None):
+  """pl.pallas_call on whole arrays (kernels index refs themselves)."""
+  return pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=grid,
+      compiler_params=pltr.CompilerParams(
+          num_warps=num_warps, num_stages=num_stages
+      ),
+      interpret=INTERPRET.value,
+      name=name,
+      input_output_aliases=input_output_aliases or {},
+  )
