@@ -1,16 +1,22 @@
 """The "triton" implementation of layer_norm: Pallas:Triton kernels.
 
-Canonical view: x is reshaped (free, normalised axis last) to [R, F]. One
-program of the forward grid handles `block_rows` consecutive rows; its tile is
-[block_rows, Fp] with Fp = next_pow2(F) (Triton blocks are powers of two);
-columns >= F and rows >= R are masked. Statistics and arithmetic are in f32.
+Canonical views (free reshapes, no copies): normalising the last axis (or one
+followed only by size-1 dims) x is [R, F]; any other axis gives [pre, F,
+post]. One program of the forward grid handles `block_rows` normalised vectors:
+a tile [block_rows, Fp] of consecutive rows of [R, F], or a tile [Fp,
+block_rows] of consecutive columns of one [F, post] slice (loads contiguous
+along post), with Fp = next_pow2(F) (Triton blocks are powers of two);
+features >= F and vectors out of range are masked. Statistics and arithmetic
+are in f32.
 
 Forward (per row): mean = sum(x)/F, xc = x - mean (x for RMS norm),
 rstd = rsqrt(sum(xc^2)/F + eps), y = xc * rstd * (scale + scale_offset) + offset.
 Residuals are those of the XLA reference: (mean or None, rstd), f32, keepdims
-shapes x.shape[:-1] + (1,), so either VJP reads either forward's residuals.
+shapes (x's shape with 1 on the normalised axis), so either VJP reads either
+forward's residuals.
 
-Backward: a grid of G programs; program p handles row blocks p, p + G, ...
+Backward: a grid of G programs ([pre, F, post]: G x column blocks); program
+p handles row blocks p, p + G, ... (pre indices p, p + G, ...)
 computing dx (formula in xla.LayerNormVjp) and accumulating the per-column
 partial sums dscale_p = sum(dy * xhat), doffset_p = sum(dy) over its rows in
 f32 registers; they are written to [G, F] f32 buffers and summed over G by XLA
@@ -18,13 +24,14 @@ f32 registers; they are written to [G, F] f32 buffers and summed over G by XLA
 so the partial buffers stay small next to x.
 
 Supported: NVIDIA sm_80+ (or interpret mode, see `interpret_mode`), bf16/f16/
-f32 inputs and parameters, the last axis only, F <= 16384.
+f32 inputs and parameters, any axis, F <= 16384.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -131,15 +138,10 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
   for name in ("x", "scale", "offset"):
     if args[name] is not None:
       pallas_triton.check_dtype(op, name, args[name].dtype)
-  if args["axis"] != x.ndim - 1:
-    raise op.unsupported(
-        f"the kernel normalises only the last axis (got axis {args['axis']} of"
-        f" a rank-{x.ndim} array); move it last or use implementation='xla'."
-    )
-  if x.shape[-1] > MAX_FEATURES:
+  if x.shape[args["axis"]] > MAX_FEATURES:
     raise op.unsupported(
         f"at most {MAX_FEATURES} features fit one program's registers; got"
-        f" {x.shape[-1]}."
+        f" {x.shape[args['axis']]}."
     )
 
 
@@ -150,13 +152,6 @@ def _pallas_call(kernel, *, out_shape, grid, config, name):
   )
 
 
-def _tile_mask(r0, block_rows, rows, fp, features):
-  """([block_rows] row mask, [block_rows, fp] tile mask) for rows r0...."""
-  row_ok = r0 + jnp.arange(block_rows) < rows
-  col_ok = jnp.arange(fp) < features
-  return row_ok, row_ok[:, None] & col_ok[None, :]
-
-
 def _load_param(ref, fp, features, add=0.0):
   """[fp] f32 parameter (masked columns 0), plus `add` on valid columns."""
   col_ok = jnp.arange(fp) < features
@@ -164,9 +159,61 @@ def _load_param(ref, fp, features, add=0.0):
   return jnp.where(col_ok, p + add, 0.0) if add else p
 
 
-def _fwd_kernel(*refs, rows, features, block_rows, fp, epsilon, scale_offset,
-                subtract_mean, has_scale, has_offset, save_stats):
-  """One program: rows [r0, r0 + block_rows) of x [R, F] -> y (+ mean, rstd)."""
+@dataclasses.dataclass(frozen=True)
+class _View:
+  """The canonical view of x: [R, F] (`post` == 1) or [pre, F, post].
+
+  A "vector" is one normalised vector (a row of [R, F], a column of
+  [pre, F, post]); a tile holds `block` vectors next to each other: [block,
+  Fp] for [R, F] (feature axis 1), [Fp, block] for [pre, F, post] (feature
+  axis 0, contiguous loads along `post`).
+  """
+
+  pre: int
+  features: int
+  post: int
+  block: int
+  fp: int
+
+  @property
+  def is_3d(self) -> bool:
+    return self.post > 1
+
+  @property
+  def vectors(self) -> int:  # per `pre` index (all of them for [R, F])
+    return self.post if self.is_3d else self.pre
+
+  @property
+  def fa(self) -> int:  # feature axis of a tile
+    return 0 if self.is_3d else 1
+
+  def tile(self, p, v0, p_ok=None):
+    """(index, vector mask [block], tile mask) of vectors v0.. (at pre p)."""
+    vec_ok = v0 + jnp.arange(self.block) < self.vectors
+    if p_ok is not None:
+      vec_ok = vec_ok & p_ok
+    f_ok = jnp.arange(self.fp) < self.features
+    feats = pl.ds(_i32(0), self.fp)
+    if self.is_3d:
+      return (p, feats, pl.ds(v0, self.block)), vec_ok, f_ok[:, None] & vec_ok[None, :]
+    return (pl.ds(v0, self.block), feats), vec_ok, vec_ok[:, None] & f_ok[None, :]
+
+  def stat(self, p, v0):
+    """Index of the statistics ([R] or [pre, post]) of vectors v0.."""
+    return (p, pl.ds(v0, self.block)) if self.is_3d else (pl.ds(v0, self.block),)
+
+  def per_vector(self, v):
+    """[block] -> broadcastable against a tile."""
+    return v[None, :] if self.is_3d else v[:, None]
+
+  def per_feature(self, w):
+    """[fp] -> broadcastable against a tile."""
+    return w[:, None] if self.is_3d else w[None, :]
+
+
+def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
+                has_scale, has_offset, save_stats):
+  """One program: `block` vectors of x -> y (+ mean, rstd)."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
@@ -175,32 +222,40 @@ def _fwd_kernel(*refs, rows, features, block_rows, fp, epsilon, scale_offset,
   mean_ref = refs.pop(0) if save_stats and subtract_mean else None
   rstd_ref = refs.pop(0) if save_stats else None
 
-  r0 = _i32(pl.program_id(0) * block_rows)
-  row_ok, mask = _tile_mask(r0, block_rows, rows, fp, features)
-  tile = (pl.ds(r0, block_rows), pl.ds(_i32(0), fp))
+  if view.is_3d:
+    p, v0 = _i32(pl.program_id(0)), _i32(pl.program_id(1) * view.block)
+  else:
+    p, v0 = None, _i32(pl.program_id(0) * view.block)
+  tile, vec_ok, mask = view.tile(p, v0)
+  fa, f = view.fa, view.features
   x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
   if subtract_mean:
-    mean = jnp.sum(x, axis=1) / features
-    # Masked columns must not contribute (x - mean) to the variance.
-    xc = jnp.where(mask, x - mean[:, None], 0.0)
+    mean = jnp.sum(x, axis=fa) / f
+    # Masked features must not contribute (x - mean) to the variance.
+    xc = jnp.where(mask, x - view.per_vector(mean), 0.0)
   else:
     xc = x
-  rstd = lax.rsqrt(jnp.sum(xc * xc, axis=1) / features + epsilon)
-  y = xc * rstd[:, None]
+  rstd = lax.rsqrt(jnp.sum(xc * xc, axis=fa) / f + epsilon)
+  y = xc * view.per_vector(rstd)
   if has_scale:
-    y = y * _load_param(scale_ref, fp, features, scale_offset)[None, :]
+    y = y * view.per_feature(_load_param(scale_ref, view.fp, f, scale_offset))
   if has_offset:
-    y = y + _load_param(offset_ref, fp, features)[None, :]
+    y = y + view.per_feature(_load_param(offset_ref, view.fp, f))
   pltr.store(y_ref.at[tile], y.astype(y_ref.dtype), mask=mask)
   if mean_ref is not None:
-    pltr.store(mean_ref.at[pl.ds(r0, block_rows)], mean, mask=row_ok)
+    pltr.store(mean_ref.at[view.stat(p, v0)], mean, mask=vec_ok)
   if rstd_ref is not None:
-    pltr.store(rstd_ref.at[pl.ds(r0, block_rows)], rstd, mask=row_ok)
+    pltr.store(rstd_ref.at[view.stat(p, v0)], rstd, mask=vec_ok)
 
 
-def _bwd_kernel(*refs, rows, features, block_rows, fp, num_programs, iters,
-                scale_offset, subtract_mean, has_scale, has_offset):
-  """Program p: dx for row blocks p, p+G, ...; partial dscale/doffset row p."""
+def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
+                subtract_mean, has_scale, has_offset):
+  """dx and per-program partial dscale/doffset.
+
+  [R, F]: program g handles row blocks g, g + G, ...; [pre, F, post]: program
+  (g, c) handles column block c at pre indices g, g + G, .... Its partial sums
+  go to row g (g * column blocks + c) of the [programs, F] buffers.
+  """
   refs = list(refs)
   x_ref, dy_ref = refs.pop(0), refs.pop(0)
   mean_ref = refs.pop(0) if subtract_mean else None
@@ -210,58 +265,87 @@ def _bwd_kernel(*refs, rows, features, block_rows, fp, num_programs, iters,
   dscale_ref = refs.pop(0) if has_scale else None
   doffset_ref = refs.pop(0) if has_offset else None
 
-  pid = _i32(pl.program_id(0))
-  w = _load_param(scale_ref, fp, features, scale_offset) if has_scale else None
+  fa, f = view.fa, view.features
+  g_id = _i32(pl.program_id(0))
+  # Read outside the loop (interpret mode cannot lower program_id in a body).
+  c_id = _i32(pl.program_id(1)) if view.is_3d else None
+  w = _load_param(scale_ref, view.fp, f, scale_offset) if has_scale else None
 
   def body(k, acc):
     acc_ds, acc_db = acc
-    r0 = _i32((pid + k * num_programs) * block_rows)
-    row_ok, mask = _tile_mask(r0, block_rows, rows, fp, features)
-    tile = (pl.ds(r0, block_rows), pl.ds(_i32(0), fp))
-    stat = pl.ds(r0, block_rows)
+    if view.is_3d:
+      p = g_id + k * num_programs
+      v0 = c_id * view.block
+      tile, vec_ok, mask = view.tile(p, v0, p_ok=p < view.pre)
+    else:
+      p, v0 = None, _i32((g_id + k * num_programs) * view.block)
+      tile, vec_ok, mask = view.tile(p, v0)
+    stat = view.stat(p, v0)
     x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
     dy = pltr.load(dy_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-    # Rows out of range get rstd = 0, hence xhat = dx = 0.
-    rstd = pltr.load(rstd_ref.at[stat], mask=row_ok, other=0.0)[:, None]
+    # Vectors out of range get rstd = 0, hence xhat = dx = 0.
+    rstd = view.per_vector(pltr.load(rstd_ref.at[stat], mask=vec_ok, other=0.0))
     if subtract_mean:
-      mean = pltr.load(mean_ref.at[stat], mask=row_ok, other=0.0)[:, None]
+      mean = view.per_vector(pltr.load(mean_ref.at[stat], mask=vec_ok, other=0.0))
       xhat = jnp.where(mask, (x - mean) * rstd, 0.0)
     else:
       xhat = x * rstd
-    g = dy * w[None, :] if has_scale else dy
-    proj = jnp.sum(g * xhat, axis=1, keepdims=True) / features
+    g = dy * view.per_feature(w) if has_scale else dy
+    proj = view.per_vector(jnp.sum(g * xhat, axis=fa) / f)
     if subtract_mean:
-      centred = g - jnp.sum(g, axis=1, keepdims=True) / features
+      centred = g - view.per_vector(jnp.sum(g, axis=fa) / f)
     else:
       centred = g
     dx = rstd * (centred - xhat * proj)
     pltr.store(dx_ref.at[tile], dx.astype(dx_ref.dtype), mask=mask)
     if has_scale:
-      acc_ds = acc_ds + jnp.sum(dy * xhat, axis=0)
+      acc_ds = acc_ds + jnp.sum(dy * xhat, axis=1 - fa)
     if has_offset:
-      acc_db = acc_db + jnp.sum(dy, axis=0)
+      acc_db = acc_db + jnp.sum(dy, axis=1 - fa)
     return acc_ds, acc_db
 
-  zeros = jnp.zeros((fp,), jnp.float32)
+  zeros = jnp.zeros((view.fp,), jnp.float32)
   acc_ds, acc_db = lax.fori_loop(_i32(0), _i32(iters), body, (zeros, zeros))
-  col = (pid, pl.ds(_i32(0), fp))
-  col_ok = jnp.arange(fp) < features
+  row = g_id
+  if view.is_3d:
+    row = g_id * pl.num_programs(1) + c_id
+  col = (row, pl.ds(_i32(0), view.fp))
+  col_ok = jnp.arange(view.fp) < f
   if has_scale:
     pltr.store(dscale_ref.at[col], acc_ds, mask=col_ok)
   if has_offset:
     pltr.store(doffset_ref.at[col], acc_db, mask=col_ok)
 
 
-def _stat_shape(x):
-  return x.shape[:-1] + (1,)
+def _view(x, axis, block) -> _View:
+  """The view of x normalised along `axis`, with `block` vectors per tile."""
+  features = x.shape[axis]
+  pre = math.prod(x.shape[:axis])
+  post = math.prod(x.shape[axis + 1:])
+  vectors = post if post > 1 else pre
+  block = max(1, min(block, _next_pow2(vectors)))
+  return _View(pre=pre, features=features, post=post, block=block,
+               fp=_next_pow2(features))
 
 
-def _statistics(x, epsilon, subtract_mean):
-  """(mean or None, rstd) over the last axis in f32, keepdims (XLA)."""
+def _stat_shape(x, axis):
+  """keepdims shape of the statistics (the XLA reference's residuals)."""
+  return x.shape[:axis] + (1,) + x.shape[axis + 1:]
+
+
+def _statistics(x, axis, epsilon, subtract_mean):
+  """(mean or None, rstd) over `axis` in f32, keepdims (XLA)."""
   xf = x.astype(jnp.float32)
-  mean = jnp.mean(xf, axis=-1, keepdims=True) if subtract_mean else None
+  mean = jnp.mean(xf, axis=axis, keepdims=True) if subtract_mean else None
   xc = xf - mean if subtract_mean else xf
-  return mean, lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + epsilon)
+  return mean, lax.rsqrt(jnp.mean(xc * xc, axis=axis, keepdims=True) + epsilon)
+
+
+def _array_shape(view: _View):
+  """Shapes of x and of the statistics in the kernels' view."""
+  if view.is_3d:
+    return (view.pre, view.features, view.post), (view.pre, view.post)
+  return (view.pre, view.features), (view.pre,)
 
 
 class _TritonLayerNormMixin:
@@ -293,7 +377,7 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
       scale_offset, subtract_mean, config, return_residuals,
   ):
     if residuals is None:  # A forward that saved nothing: recompute in XLA.
-      residuals = _statistics(x, epsilon, subtract_mean)
+      residuals = _statistics(x, axis, epsilon, subtract_mean)
     if x.size == 0:  # No rows (or no features): nothing for a kernel to do.
       return super()._fwd(
           residuals=residuals, out=out, dout=dout, x=x, scale=scale,
@@ -302,36 +386,39 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
           config=config, return_residuals=return_residuals,
       )
     mean, rstd = residuals
-    features = x.shape[-1]
-    rows = x.size // features
-    fp = _next_pow2(features)
-    block_rows = config.block_rows
-    num_blocks = pl.cdiv(rows, block_rows)
+    view = _view(x, axis, config.block_rows)
+    x_shape, stat_shape = _array_shape(view)
+    blocks_per_pre = pl.cdiv(view.vectors, view.block)
     max_programs = _num_sms() * max(1, 32 // config.num_warps)
+    if view.is_3d:
+      # Programs (g, c): column block c, pre indices g, g + G, ...
+      work, width = view.pre, blocks_per_pre
+    else:
+      work, width = blocks_per_pre, 1
     # Fewest programs that still use `iters` loop trips (balanced work).
-    iters = pl.cdiv(num_blocks, min(num_blocks, max_programs))
-    num_programs = pl.cdiv(num_blocks, iters)
+    iters = pl.cdiv(work, min(work, max(1, max_programs // width)))
+    num_programs = pl.cdiv(work, iters)
 
-    inputs = [x.reshape(rows, features), dout.reshape(rows, features)]
+    inputs = [x.reshape(x_shape), dout.reshape(x_shape)]
     if subtract_mean:
-      inputs.append(mean.reshape(rows).astype(jnp.float32))
-    inputs.append(rstd.reshape(rows).astype(jnp.float32))
+      inputs.append(mean.reshape(stat_shape).astype(jnp.float32))
+    inputs.append(rstd.reshape(stat_shape).astype(jnp.float32))
     if scale is not None:
       inputs.append(scale)
-    out_shape = [jax.ShapeDtypeStruct((rows, features), x.dtype)]
-    partial = jax.ShapeDtypeStruct((num_programs, features), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct(x_shape, x.dtype)]
+    partial = jax.ShapeDtypeStruct((num_programs * width, view.features), jnp.float32)
     if scale is not None:
       out_shape.append(partial)
     if offset is not None:
       out_shape.append(partial)
     kernel = functools.partial(
-        _bwd_kernel, rows=rows, features=features, block_rows=block_rows,
-        fp=fp, num_programs=num_programs, iters=iters,
+        _bwd_kernel, view=view, num_programs=num_programs, iters=iters,
         scale_offset=float(scale_offset), subtract_mean=subtract_mean,
         has_scale=scale is not None, has_offset=offset is not None,
     )
+    grid = (num_programs, width) if view.is_3d else (num_programs,)
     outs = _pallas_call(
-        kernel, out_shape=out_shape, grid=(num_programs,), config=config,
+        kernel, out_shape=out_shape, grid=grid, config=config,
         name="tokamax_layer_norm_bwd",
     )(*inputs)
     outs = list(outs)
@@ -360,31 +447,29 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
           scale_offset=scale_offset, subtract_mean=subtract_mean,
           config=config, return_residuals=return_residuals,
       )
-    if axis != x.ndim - 1:
-      raise self.unsupported("the kernel normalises only the last axis.")
-    features = x.shape[-1]
-    rows = x.size // features
-    block_rows = config.block_rows
-    inputs = [x.reshape(rows, features)]
+    view = _view(x, axis, config.block_rows)
+    x_shape, stat_shape = _array_shape(view)
+    inputs = [x.reshape(x_shape)]
     inputs += [p for p in (scale, offset) if p is not None]
-    out_shape = [jax.ShapeDtypeStruct((rows, features), x.dtype)]
-    stat = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct(x_shape, x.dtype)]
+    stat = jax.ShapeDtypeStruct(stat_shape, jnp.float32)
     if return_residuals:
       out_shape += [stat, stat] if subtract_mean else [stat]
     kernel = functools.partial(
-        _fwd_kernel, rows=rows, features=features, block_rows=block_rows,
-        fp=_next_pow2(features), epsilon=float(epsilon),
+        _fwd_kernel, view=view, epsilon=float(epsilon),
         scale_offset=float(scale_offset), subtract_mean=subtract_mean,
         has_scale=scale is not None, has_offset=offset is not None,
         save_stats=return_residuals,
     )
+    blocks = pl.cdiv(view.vectors, view.block)
+    grid = (view.pre, blocks) if view.is_3d else (blocks,)
     outs = _pallas_call(
-        kernel, out_shape=out_shape, grid=(pl.cdiv(rows, block_rows),),
-        config=config, name="tokamax_layer_norm_fwd",
+        kernel, out_shape=out_shape, grid=grid, config=config,
+        name="tokamax_layer_norm_fwd",
     )(*inputs)
     y = outs[0].reshape(x.shape)
     if not return_residuals:
       return y, None
-    rstd = outs[-1].reshape(_stat_shape(x))
-    mean = outs[1].reshape(_stat_shape(x)) if subtract_mean else None
+    rstd = outs[-1].reshape(_stat_shape(x, axis))
+    mean = outs[1].reshape(_stat_shape(x, axis)) if subtract_mean else None
     return y, (mean, rstd)
