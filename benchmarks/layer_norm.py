@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/layer_norm.py [OUT_DIR]
 Prints a markdown table and writes layer_norm.json to OUT_DIR (default: .).
-x is bf16 [R, F] (normalised over F), scale and offset f32 [F]. Times are
+x is bf16 [R, F] (normalised over F) or [16, 1024, 4096] normalised over
+axis 1 (the [pre, F, post] kernel), scale and offset f32 [F]. Times are
 accelerator time (cupti on GPU, wallclock elsewhere), median of ITERATIONS
 runs. Effective bandwidth counts the bytes that must move at least once:
 forward x read + y written (2 R F itemsize); forward_and_vjp adds the
@@ -23,7 +24,12 @@ import tokamax
 from tokamax._src import benchmarking
 
 ITERATIONS = 20
-SHAPES = {"8192x8192": (8192, 8192), "65536x1024": (65536, 1024)}
+# label: (shape, normalised axis)
+SHAPES = {
+    "8192x8192": ((8192, 8192), 1),
+    "65536x1024": ((65536, 1024), 1),
+    "16x1024x4096 axis 1": ((16, 1024, 4096), 1),
+}
 IMPLEMENTATIONS = ("triton", "xla")
 MODES = ("forward", "forward_and_vjp")
 # Arrays of x's size that a mode moves at least once (see module docstring).
@@ -39,21 +45,22 @@ def main(out_dir="."):
 
   on_gpu = jax.default_backend() == "gpu"
   rows = []
-  for label, (r, f) in SHAPES.items():
+  for label, (shape, axis) in SHAPES.items():
     if not on_gpu:
-      r //= 64
-      label = f"{r}x{f}"
-    x = jax.ShapeDtypeStruct((r, f), jnp.bfloat16)
-    p = jax.ShapeDtypeStruct((f,), jnp.float32)
+      shape = (shape[0] // 64 or 1,) + shape[1:]
+      label = "x".join(map(str, shape)) + (f" axis {axis}" if axis != len(shape) - 1 else "")
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    p = jax.ShapeDtypeStruct((shape[axis],), jnp.float32)
+    size = x.size
     for mode in MODES:
       for impl in IMPLEMENTATIONS:
-        fn = lambda x, s, o, impl=impl: tokamax.layer_norm(
-            x, s, o, implementation=impl)
+        fn = lambda x, s, o, impl=impl, axis=axis: tokamax.layer_norm(
+            x, s, o, axis=axis, implementation=impl)
         row = dict(shape=label, mode=mode, impl=impl)
         try:
           data = _time(fn, (x, p, p), mode)
           ms = data.median_evaluation_time_ms
-          nbytes = ARRAYS_MOVED[mode] * r * f * x.dtype.itemsize
+          nbytes = ARRAYS_MOVED[mode] * size * x.dtype.itemsize
           row.update(ms=ms, tbps=nbytes / ms / 1e9, method=data.method,
                      compile_ms=data.compile_time_ms)
         except Exception as e:  # record and go on: e.g. triton off-GPU

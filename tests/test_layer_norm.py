@@ -158,6 +158,7 @@ def test_scale_offset_is_ignored_without_scale():
 # --- "triton": interpret mode on CPU, lowering for CUDA, real GPU ---------
 
 from tokamax._src import dispatch  # noqa: E402
+from tokamax._src import pallas_triton  # noqa: E402
 from tokamax.ops.normalization import triton as triton_ln  # noqa: E402
 from tokamax.ops.normalization import xla as xla_ln  # noqa: E402
 
@@ -307,6 +308,20 @@ def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
   assert all(c.block_rows <= max(1, 2 * rows) for c in space)
   if rows >= 64:
     assert len(space) >= 3
+
+
+@pytest.mark.parametrize("features, post, block, warps", [
+    (1024, 4096, 32, 16), (4096, 4096, 8, 16), (16384, 64, 2, 16), (72, 5, 8, 4),
+    (77, 1000, 32, 4),
+])
+def test_triton_heuristics_non_last_axis(features, post, block, warps):
+  """[pre, F, post] view: wide column tiles, <= 64 f32 values per thread."""
+  h = triton_ln.heuristic_config(16 * post, features, 2, post)
+  assert (h.block_rows, h.num_warps) == (block, warps)
+  fp = pallas_triton.next_pow2(features)
+  assert fp * h.block_rows <= 64 * 32 * h.num_warps
+  space = triton_ln.search_space(16 * post, features, 2, post)
+  assert space and all(c.block_rows <= pallas_triton.next_pow2(post) for c in space)
 
 
 def _lower_text(fn, *args):

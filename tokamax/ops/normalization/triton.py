@@ -86,24 +86,32 @@ class TritonLayerNormConfig:
     return v
 
 
-def _rows_features(ba: op_lib.BoundArguments) -> tuple[int, int, int]:
-  """(R, F, itemsize of x) of the canonical [R, F] view."""
+def _rows_features(ba: op_lib.BoundArguments) -> tuple[int, int, int, int]:
+  """(vectors R, F, itemsize of x, post) of the canonical view."""
   x = ba.arguments["x"]
-  f = x.shape[ba.arguments["axis"]]
-  rows = 1
-  for i, d in enumerate(x.shape):
-    if i != ba.arguments["axis"]:
-      rows *= d
-  return rows, f, jnp.dtype(x.dtype).itemsize
+  axis = ba.arguments["axis"]
+  f = x.shape[axis]
+  rows = math.prod(d for i, d in enumerate(x.shape) if i != axis)
+  return rows, f, jnp.dtype(x.dtype).itemsize, math.prod(x.shape[axis + 1:])
 
 
 def _warps_for(fp: int) -> int:
   return 4 if fp < 1024 else 8 if fp < 8192 else 16
 
 
-def heuristic_config(rows: int, features: int, itemsize: int) -> TritonLayerNormConfig:
-  """Warps by feature size; rows so a program moves ~32 KiB (see module doc)."""
+def heuristic_config(rows: int, features: int, itemsize: int,
+                     post: int = 1) -> TritonLayerNormConfig:
+  """Warps by feature size; rows so a program moves ~32 KiB (see module doc).
+
+  For the [pre, F, post] view: up to 32 columns per tile (contiguous loads),
+  fewer when F is large, with warps for <= 64 f32 values per thread.
+  """
   fp = _next_pow2(features)
+  if post > 1:
+    block = min(32, _next_pow2(post), _prev_pow2(max(1, 32768 // fp)))
+    values = fp * block
+    warps = 16 if values >= 16384 else 8 if values >= 8192 else 4
+    return TritonLayerNormConfig(block_rows=block, num_warps=warps)
   warps = _warps_for(fp)
   block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
   block_rows = min(block_rows, _prev_pow2(_VALUES_PER_THREAD * 32 * warps // fp))
@@ -111,13 +119,15 @@ def heuristic_config(rows: int, features: int, itemsize: int) -> TritonLayerNorm
   return TritonLayerNormConfig(block_rows=max(1, block_rows), num_warps=warps)
 
 
-def search_space(rows: int, features: int, itemsize: int) -> set[TritonLayerNormConfig]:
+def search_space(rows: int, features: int, itemsize: int,
+                 post: int = 1) -> set[TritonLayerNormConfig]:
   """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread."""
-  h = heuristic_config(rows, features, itemsize)
+  h = heuristic_config(rows, features, itemsize, post)
   fp = _next_pow2(features)
+  limit = _next_pow2(post if post > 1 else rows)
   configs = set()
   for block_rows in (h.block_rows // 2, h.block_rows, 2 * h.block_rows, 4 * h.block_rows):
-    if block_rows < 1 or block_rows > _next_pow2(rows):
+    if block_rows < 1 or block_rows > limit:
       continue
     for warps in (4, 8, 16):
       per_thread = block_rows * fp / (32 * warps)
