@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|ship|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -31,6 +31,18 @@ if [[ $what == ship ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
     tests/test_autotuning.py 2>&1 | tail -4
   exit
+fi
+if [[ $what == final ]]; then
+  # Everything GPU-marked plus the layer_norm benchmark, inside one call.
+  TOKAMAX_CACHE_DIR="$OUT/cache" timeout 120 python3 scripts/demo.py > "$OUT/demo.log" 2>&1 \
+    || { status=1; tail -5 "$OUT/demo.log"; }
+  tail -3 "$OUT/demo.log"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 360 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    tests/test_dispatch.py tests/test_autotuning.py 2>&1 | tail -4 | tee -a "$OUT/gpu_tests.log"
+  python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -14
+  exit $status
 fi
 if [[ $what == attn ]]; then
   # Triton attention: GPU tests, then the config sweep at the benchmark shapes.
