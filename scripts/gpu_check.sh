@@ -61,6 +61,7 @@ if [[ $what == attn_bench ]]; then
   exit
 fi
 if [[ $what == ln ]]; then
+  python3 benchmarks/layer_norm_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -20
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -20
   exit
 fi

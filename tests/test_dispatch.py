@@ -141,6 +141,46 @@ def test_none_falls_back_for_the_gradient_only(refusing_impl):
     reference.assert_close(g, r, 1e-4)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SlowForT1Vjp(xla_chunked.ChunkedDotProductAttentionVjp):
+  implementation = "test_slow"
+
+  def preferred(self, ba):
+    return ba.arguments["query"].shape[1] != 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlowKernel(xla_chunked.ChunkedDotProductAttention):
+  """Not preferred for T = 3 (forward) and T = 1 (its VJP)."""
+
+  implementation = "test_slow"
+  vjp: op_lib.Op | None = dataclasses.field(default_factory=_SlowForT1Vjp)
+
+  def preferred(self, ba):
+    return ba.arguments["query"].shape[1] != 3
+
+
+def test_not_preferred_is_skipped_under_none_only():
+  op = "dot_product_attention"
+  dispatch.register(op, "test_slow", _SlowKernel)
+  old = dispatch._DEFAULT_ORDER[op]
+  dispatch.set_default_order(op, lambda target: ["test_slow", "xla_chunked", "xla"])
+  try:
+    q = jnp.ones((1, 3, 2, 8))
+    assert dispatch.select(op, None, (q, q, q), {}).op.implementation == "xla_chunked"
+    assert dispatch.select(op, "test_slow", (q, q, q), {}).op.implementation == "test_slow"
+    q1 = jnp.ones((1, 1, 2, 8))
+    ba = dispatch.select(op, None, (q1, q1, q1), {})
+    # The forward is preferred, its VJP is not: the next compatible VJP.
+    assert ba.op.implementation == "test_slow"
+    assert ba.op.vjp.implementation == "xla_chunked"
+    ba = dispatch.select(op, "test_slow", (q1, q1, q1), {})
+    assert ba.op.vjp.implementation == "test_slow"
+  finally:
+    dispatch.set_default_order(op, old)
+    dispatch.unregister(op, "test_slow")
+
+
 def test_named_implementation_raises_for_unsupported_gradient(refusing_impl):
   q, k, v = _qkv(2)
   f = lambda q: jnp.sum(tokamax.dot_product_attention(

@@ -310,16 +310,17 @@ def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
     assert len(space) >= 3
 
 
-@pytest.mark.parametrize("features, post, block, warps", [
-    (1024, 4096, 32, 16), (4096, 4096, 8, 16), (16384, 64, 2, 16), (72, 5, 8, 4),
-    (77, 1000, 32, 4),
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("features, post, fwd, bwd", [
+    (1024, 4096, (32, 8), (16, 8)), (4096, 4096, (16, 16), (8, 16)),
+    (16384, 64, (4, 16), (2, 16)), (72, 5, (8, 4), (8, 4)), (77, 1000, (32, 4), (16, 4)),
 ])
-def test_triton_heuristics_non_last_axis(features, post, block, warps):
-  """[pre, F, post] view: wide column tiles, <= 64 f32 values per thread."""
-  h = triton_ln.heuristic_config(16 * post, features, 2, post)
-  assert (h.block_rows, h.num_warps) == (block, warps)
+def test_triton_heuristics_non_last_axis(features, post, fwd, bwd, backward):
+  """[pre, F, post] view: wide column tiles, bounded f32 values per thread."""
+  h = triton_ln.heuristic_config(16 * post, features, 2, post, backward)
+  assert (h.block_rows, h.num_warps) == (bwd if backward else fwd)
   fp = pallas_triton.next_pow2(features)
-  assert fp * h.block_rows <= 64 * 32 * h.num_warps
+  assert fp * h.block_rows <= (64 if backward else 128) * 32 * h.num_warps
   space = triton_ln.search_space(16 * post, features, 2, post)
   assert space and all(c.block_rows <= pallas_triton.next_pow2(post) for c in space)
 
@@ -376,6 +377,11 @@ def test_triton_cross_compile_dispatch():
     xt = jax.ShapeDtypeStruct((256, 64), BF16)
     text = _lower_text(lambda x, s: tokamax.layer_norm(x, s, axis=0), xt, s)
     assert TRITON_TARGET in text  # [1, 256, 64] view
+    # Its gradient: the XLA VJP under None (faster), the Triton one if named.
+    for impl, kernels in ((None, 1), ("triton", 2)):
+      grad = jax.grad(lambda x, s: jnp.sum(tokamax.layer_norm(
+          x, s, axis=0, implementation=impl).astype(F32)))
+      assert _lower_text(grad, xt, s).count(TRITON_TARGET) == kernels
   with tokamax.config.cross_compile("NVIDIA V100"):
     with pytest.raises(NotImplementedError, match="triton.*requires an NVIDIA GPU"):
       _lower_text(lambda x, s: tokamax.layer_norm(x, s, implementation="triton"), x, s)

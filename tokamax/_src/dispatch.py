@@ -93,6 +93,8 @@ def select(
     except NotImplementedError as e:
       errors.append(e)
       continue
+    if not named and i + 1 < len(names) and not op.preferred(ba):
+      continue
     if not named and op.vjp is not None:
       op = dataclasses.replace(op, vjp=_fallback_vjp(op, ba, names[i + 1:]))
       ba = dataclasses.replace(ba, op=op)
@@ -108,18 +110,26 @@ def select(
 def _fallback_vjp(
     op: op_lib.Op, ba: op_lib.BoundArguments, later: list[str]
 ) -> op_lib.Op:
-  """`op.vjp` if it supports `ba`, else a later compatible VJP, else autodiff."""
+  """`op.vjp` if it supports and prefers `ba`, else a later compatible VJP
+  (preferred first), else autodiff of the XLA reference."""
   candidates = [op.vjp]
   for name in later:
     other = _REGISTRY[op.op_name][name]()
     if other.vjp is not None and other.residuals_kind == op.residuals_kind:
       candidates.append(other.vjp)
+  supported = []
   for vjp in candidates:
     try:
       vjp.check_supported(ba)
-      return vjp
     except NotImplementedError:
       continue
+    supported.append(vjp)
+  # The first preferred one; a supported but slower one beats autodiff.
+  for vjp in supported:
+    if vjp.preferred(ba):
+      return vjp
+  if supported:
+    return supported[0]
   return op_lib.AutodiffVjp(forward=_REGISTRY[op.op_name]["xla"]())
 
 

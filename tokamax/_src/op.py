@@ -267,6 +267,16 @@ class Op(abc.ABC):
     if not self.supported_on(target):
       raise self.unsupported(f"does not run on {target.describe()}.")
 
+  def preferred(self, ba: BoundArguments) -> bool:
+    """Whether `implementation=None` should pick this op for `ba`.
+
+    False where the op supports the call but was measured slower than the
+    implementations after it in the default order (a named call still uses
+    it). For a VJP op, `ba` is the bound arguments of the forward op.
+    """
+    del ba
+    return True
+
   def describe(self) -> str:
     return f"{self.op_name} implementation {self.implementation!r}"
 

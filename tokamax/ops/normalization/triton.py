@@ -99,18 +99,22 @@ def _warps_for(fp: int) -> int:
   return 4 if fp < 1024 else 8 if fp < 8192 else 16
 
 
-def heuristic_config(rows: int, features: int, itemsize: int,
-                     post: int = 1) -> TritonLayerNormConfig:
+def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
+                     backward: bool = False) -> TritonLayerNormConfig:
   """Warps by feature size; rows so a program moves ~32 KiB (see module doc).
 
-  For the [pre, F, post] view: up to 32 columns per tile (contiguous loads),
-  fewer when F is large, with warps for <= 64 f32 values per thread.
+  For the [pre, F, post] view: tiles of up to 32 (forward) or 16 (backward)
+  columns and the fewest warps that keep <= 128 (forward) or <= 64
+  (backward, about four tiles live) f32 values per thread; the fastest
+  configs measured on the H200 at [16, 1024, 4096] (docs/benchmarks.md).
   """
   fp = _next_pow2(features)
   if post > 1:
-    block = min(32, _next_pow2(post), _prev_pow2(max(1, 32768 // fp)))
-    values = fp * block
-    warps = 16 if values >= 16384 else 8 if values >= 8192 else 4
+    per_thread = 64 if backward else 128
+    block = min(16 if backward else 32, _next_pow2(post),
+                _prev_pow2(max(1, per_thread * 32 * 16 // fp)))
+    threads = fp * block // per_thread
+    warps = 4 if threads <= 128 else 8 if threads <= 256 else 16
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
   warps = _warps_for(fp)
   block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
@@ -119,10 +123,10 @@ def heuristic_config(rows: int, features: int, itemsize: int,
   return TritonLayerNormConfig(block_rows=max(1, block_rows), num_warps=warps)
 
 
-def search_space(rows: int, features: int, itemsize: int,
-                 post: int = 1) -> set[TritonLayerNormConfig]:
+def search_space(rows: int, features: int, itemsize: int, post: int = 1,
+                 backward: bool = False) -> set[TritonLayerNormConfig]:
   """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread."""
-  h = heuristic_config(rows, features, itemsize, post)
+  h = heuristic_config(rows, features, itemsize, post, backward)
   fp = _next_pow2(features)
   limit = _next_pow2(post if post > 1 else rows)
   configs = set()
@@ -370,10 +374,10 @@ class _TritonLayerNormMixin:
     check_supported(self, ba)
 
   def _get_heuristics_config(self, ba):
-    return heuristic_config(*_rows_features(ba))
+    return heuristic_config(*_rows_features(ba), backward=self.is_vjp)
 
   def _get_autotuning_configs(self, ba):
-    return search_space(*_rows_features(ba))
+    return search_space(*_rows_features(ba), backward=self.is_vjp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,6 +385,11 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
   """dx by a Triton kernel; dscale/doffset from per-program partial sums."""
 
   implementation = "triton"
+
+  def preferred(self, ba):
+    # The [pre, F, post] backward is slower than XLA's on the H200
+    # (docs/benchmarks.md): implementation=None takes the XLA VJP there.
+    return _rows_features(ba)[3] == 1
 
   def _fwd(
       self, *, residuals, out, dout, x, scale, offset, axis, epsilon,
