@@ -498,6 +498,13 @@ class TestTritonGpu(AttentionTestBase):
   implementation = "triton"
   dtypes = (F32, BF16, F16)
 
+  @pytest.mark.parametrize("dtype", [F32, F16], ids=lambda d: jnp.dtype(d).name)
+  @pytest.mark.parametrize("h", [32, 96, 128, 192, 256])
+  def test_head_dims_and_dtypes(self, h, dtype):
+    """Every heuristic branch (f32 tiles are smaller) compiles and is right."""
+    self.check(Case(batch=(2,), t=300, s=260, n=4, kh=2, h=h,
+                    kwargs=(("is_causal", True),)), dtype)
+
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("shape", [(1, 4096, 16, 16, 128), (1, 1024, 32, 8, 128),
                                      (1, 1000, 4, 4, 256), (2, 777, 4, 2, 80)])
