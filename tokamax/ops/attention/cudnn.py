@@ -72,20 +72,12 @@ def _abstract(args):
 
 
 @dataclasses.dataclass(frozen=True)
-class CudnnDotProductAttentionVjp(op_lib.Op):
+class CudnnDotProductAttentionVjp(base.DotProductAttentionVjp):
   """Applies the pullback saved by the cuDNN forward."""
 
-  op_name = "dot_product_attention_vjp"
   implementation = "cudnn"
-  array_args = ("residuals", "out", "dout") + base.DotProductAttention.array_args
-  is_vjp = True
   residuals_kind = "cudnn_pullback"
   uses_out = False
-
-  def _bind(self, residuals, out, dout, **arguments):
-    return dict(residuals=residuals, out=out, dout=dout, **arguments), (
-        lambda grads: grads
-    )
 
   def check_supported(self, ba):
     args = ba.arguments

@@ -192,58 +192,56 @@ def _clamp(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def _key_blocks(sp: _Spec, t0, bq: int, bk: int, q_lim, kv_lim):
-  """Key blocks for the query rows [t0, t0 + bq): (lo, a, c, hi).
+def _blocks_seen(start, size: int, other_block: int, lim_self, lim_other,
+                 before: int | None, after: int | None, strict: bool):
+  """Blocks of the other axis seen by positions [start, start + size).
 
-  Rows >= q_lim do not count (their outputs are zeroed by the caller). Blocks
-  [lo, a) and [c, hi) need the positional mask; [a, c) are seen in full by
-  every counted row.
+  Position i of this axis sees j of the other iff i - before <= j <= i +
+  after (None: unbounded), i < lim_self and j < lim_other. Returns
+  (lo, a, c, hi): blocks [lo, hi) are seen by some position, [a, c) in full
+  by every position < lim_self (with `strict`, only if every position of the
+  range is < lim_self); [lo, a) and [c, hi) need the positional mask.
   """
-  t_end = jnp.minimum(t0 + bq, q_lim)
-  hi_key = kv_lim
-  if sp.right is not None:
-    hi_key = jnp.minimum(hi_key, t_end + sp.right)
-  lo_key = i32(0)
-  if sp.left is not None:
-    lo_key = jnp.maximum(t0 - sp.left, 0)
-  lo = lo_key // bk
-  hi = jnp.where(t_end > t0, jnp.maximum(lo, _cdiv(jnp.maximum(hi_key, 0), bk)), lo)
+  end = jnp.minimum(start + size, lim_self)
+  hi_pos = lim_other
+  if after is not None:
+    hi_pos = jnp.minimum(hi_pos, end + after)
+  lo_pos = i32(0)
+  if before is not None:
+    lo_pos = jnp.maximum(start - before, 0)
+  lo = lo_pos // other_block
+  hi = jnp.where(
+      end > start, jnp.maximum(lo, _cdiv(jnp.maximum(hi_pos, 0), other_block)), lo
+  )
   full_lo = lo
-  if sp.left is not None:
-    full_lo = _cdiv(jnp.maximum(t_end - 1 - sp.left, 0), bk)
-  full_hi_key = kv_lim
-  if sp.right is not None:
-    full_hi_key = jnp.minimum(full_hi_key, t0 + sp.right + 1)
-  full_hi = jnp.maximum(full_hi_key, 0) // bk
+  if before is not None:
+    full_lo = _cdiv(jnp.maximum(end - 1 - before, 0), other_block)
+  full_hi_pos = lim_other
+  if after is not None:
+    full_hi_pos = jnp.minimum(full_hi_pos, start + after + 1)
+  full_hi = jnp.maximum(full_hi_pos, 0) // other_block
+  if strict:
+    full_hi = jnp.where(start + size <= lim_self, full_hi, 0)
   a = _clamp(full_lo, lo, hi)
   c = _clamp(full_hi, a, hi)
   return lo, a, c, hi
+
+
+def _key_blocks(sp: _Spec, t0, bq: int, bk: int, q_lim, kv_lim):
+  """Key blocks for the query rows [t0, t0 + bq) (see _blocks_seen).
+
+  Rows >= q_lim do not count (their outputs are zeroed by the caller).
+  """
+  return _blocks_seen(t0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False)
 
 
 def _query_blocks(sp: _Spec, k0, bk: int, bq: int, q_lim, kv_lim):
-  """Query blocks that see keys [k0, k0 + bk): (lo, a, c, hi), as above.
+  """Query blocks that see keys [k0, k0 + bk) (see _blocks_seen).
 
-  Full blocks [a, c) have every row < q_lim and see every key of the block.
+  Full blocks have every row < q_lim and see every key of the block (all of
+  them < kv_lim): key j is seen by row i iff j - right <= i <= j + left.
   """
-  k_end = jnp.minimum(k0 + bk, kv_lim)
-  hi_row = q_lim
-  if sp.left is not None:
-    hi_row = jnp.minimum(hi_row, k_end + sp.left)
-  lo_row = i32(0)
-  if sp.right is not None:
-    lo_row = jnp.maximum(k0 - sp.right, 0)
-  lo = lo_row // bq
-  hi = jnp.where(k_end > k0, jnp.maximum(lo, _cdiv(jnp.maximum(hi_row, 0), bq)), lo)
-  full_lo = lo
-  if sp.right is not None:
-    full_lo = _cdiv(jnp.maximum(k0 + bk - 1 - sp.right, 0), bq)
-  full_hi_row = q_lim
-  if sp.left is not None:
-    full_hi_row = jnp.minimum(full_hi_row, k0 + sp.left + 1)
-  full_hi = jnp.where(k0 + bk <= kv_lim, jnp.maximum(full_hi_row, 0) // bq, 0)
-  a = _clamp(full_lo, lo, hi)
-  c = _clamp(full_hi, a, hi)
-  return lo, a, c, hi
+  return _blocks_seen(k0, bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True)
 
 
 def _positional(sp: _Spec, r, c, q_lim, kv_lim):
@@ -718,20 +716,11 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonDotProductAttentionVjp(op_lib.Op):
+class TritonDotProductAttentionVjp(base.DotProductAttentionVjp):
   """FlashAttention-2 backward (dk/dv and dq kernels) from the lse residual."""
 
-  op_name = "dot_product_attention_vjp"
   implementation = "triton"
-  array_args = ("residuals", "out", "dout") + base.DotProductAttention.array_args
-  is_vjp = True
   config_cls = TritonAttentionVjpConfig
-  residuals_kind = "attention_lse"
-
-  def _bind(self, residuals, out, dout, **arguments):
-    return dict(residuals=residuals, out=out, dout=dout, **arguments), (
-        lambda grads: grads
-    )
 
   def supported_on(self, device) -> bool:
     return pallas_triton.supported_on(device)

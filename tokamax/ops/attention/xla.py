@@ -240,6 +240,25 @@ class DotProductAttention(op_lib.Op):
     return out, {"lse": lse_residual(m, l)}
 
 
+@dataclasses.dataclass(frozen=True)
+class DotProductAttentionVjp(op_lib.Op):
+  """Base of the attention VJP ops.
+
+  Called with (residuals, out, dout, **forward's canonical arguments); returns
+  the gradients {query, key, value[, bias]} in the canonical shapes.
+  """
+
+  op_name = "dot_product_attention_vjp"
+  array_args = ("residuals", "out", "dout") + DotProductAttention.array_args
+  is_vjp = True
+  residuals_kind = "attention_lse"
+
+  def _bind(self, residuals, out, dout, **arguments):
+    return dict(residuals=residuals, out=out, dout=dout, **arguments), (
+        lambda grads: grads
+    )
+
+
 # --- building blocks shared by the XLA implementations ----------------------
 # Inside the kernels arrays are head-major so every matmul is a plain batched
 # matmul over (batch, kv head): q [B, K, G, T, H], k and v [B, K, S, H].

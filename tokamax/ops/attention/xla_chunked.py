@@ -148,20 +148,11 @@ def _map(n, f):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkedDotProductAttentionVjp(op_lib.Op):
+class ChunkedDotProductAttentionVjp(base.DotProductAttentionVjp):
   """Chunked FlashAttention-2 backward from the lse residual."""
 
-  op_name = "dot_product_attention_vjp"
   implementation = "xla_chunked"
-  array_args = ("residuals", "out", "dout") + base.DotProductAttention.array_args
-  is_vjp = True
   config_cls = ChunkedAttentionConfig
-  residuals_kind = "attention_lse"
-
-  def _bind(self, residuals, out, dout, **arguments):
-    return dict(residuals=residuals, out=out, dout=dout, **arguments), (
-        lambda grads: grads
-    )
 
   def _get_heuristics_config(self, ba):
     return _heuristic(ba)
