@@ -715,12 +715,8 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonDotProductAttentionVjp(base.DotProductAttentionVjp):
-  """FlashAttention-2 backward (dk/dv and dq kernels) from the lse residual."""
-
-  implementation = "triton"
-  config_cls = TritonAttentionVjpConfig
+class _TritonAttentionMixin:
+  """Support checks, heuristics and search spaces of the forward and VJP."""
 
   def supported_on(self, device) -> bool:
     return pallas_triton.supported_on(device)
@@ -729,10 +725,18 @@ class TritonDotProductAttentionVjp(base.DotProductAttentionVjp):
     check_supported(self, ba)
 
   def _get_heuristics_config(self, ba):
-    return vjp_heuristic_config(*_shape(ba))
+    return (vjp_heuristic_config if self.is_vjp else heuristic_config)(*_shape(ba))
 
   def _get_autotuning_configs(self, ba):
-    return vjp_search_space(*_shape(ba))
+    return (vjp_search_space if self.is_vjp else search_space)(*_shape(ba))
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonDotProductAttentionVjp(_TritonAttentionMixin, base.DotProductAttentionVjp):
+  """FlashAttention-2 backward (dk/dv and dq kernels) from the lse residual."""
+
+  implementation = "triton"
+  config_cls = TritonAttentionVjpConfig
 
   def _fwd(self, *, residuals, out, dout, config, return_residuals, **args):
     del return_residuals
@@ -740,7 +744,7 @@ class TritonDotProductAttentionVjp(base.DotProductAttentionVjp):
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonDotProductAttention(base.DotProductAttention):
+class TritonDotProductAttention(_TritonAttentionMixin, base.DotProductAttention):
   """FlashAttention-2 forward in Pallas:Triton."""
 
   implementation = "triton"
@@ -748,18 +752,6 @@ class TritonDotProductAttention(base.DotProductAttention):
   vjp: op_lib.Op | None = dataclasses.field(
       default_factory=TritonDotProductAttentionVjp
   )
-
-  def supported_on(self, device) -> bool:
-    return pallas_triton.supported_on(device)
-
-  def check_supported(self, ba):
-    check_supported(self, ba)
-
-  def _get_heuristics_config(self, ba):
-    return heuristic_config(*_shape(ba))
-
-  def _get_autotuning_configs(self, ba):
-    return search_space(*_shape(ba))
 
   def _fwd(self, *, config, return_residuals, **args):
     out, lse = attention_forward(args, config, return_residuals)
