@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|final|ship|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|kernels|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -42,6 +42,15 @@ if [[ $what == final ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 python3 -m pytest -q -n 8 -p no:cacheprovider \
     tests/test_dispatch.py tests/test_autotuning.py 2>&1 | tail -4 | tee -a "$OUT/gpu_tests.log"
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -14
+  exit $status
+fi
+if [[ $what == kernels ]]; then
+  # The Pallas kernels' GPU tests (Triton attention and layer_norm), dispatch.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 280 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    -m gpu tests/test_attention.py tests/test_layer_norm.py -k "Triton or triton" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -8 || status=1
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 60 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    tests/test_dispatch.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.log"
   exit $status
 fi
 if [[ $what == attn ]]; then
