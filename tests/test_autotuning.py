@@ -20,6 +20,7 @@ import tokamax
 from tokamax._src import autotuning
 from tokamax._src import op as op_lib
 from tokamax.ops.attention import xla_chunked
+from tests import reference
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHUNKED = autotuning.class_path(xla_chunked.ChunkedDotProductAttention)
@@ -368,3 +369,36 @@ def test_vmap_levels_are_part_of_the_key_and_tuned(resolved):
   with pinned:
     attention(qs[0, :, 0])  # no vmap: another key
   assert chunked_configs(resolved) != [special]
+
+
+def test_autotune_triton_attention_in_interpret_mode(monkeypatch):
+  """Forward and VJP Triton ops are found, timed over their search spaces
+  (shrunk here), serialised and applied (interpret mode, process-wide)."""
+  from tokamax._src import pallas_triton
+  from tokamax.ops.attention import triton as tr
+
+  monkeypatch.setattr(tr, "search_space", lambda *a: {
+      tr.TritonAttentionConfig(block_q=16, block_k=16),
+      tr.TritonAttentionConfig(block_q=32, block_k=16)})
+  monkeypatch.setattr(tr, "vjp_search_space", lambda *a: {
+      tr.TritonAttentionVjpConfig(block_k=16, block_q=16, dq_block_q=16, dq_block_k=16)})
+  q = jax.random.normal(jax.random.key(21), (1, 40, 2, 16), jnp.float32)
+
+  def loss(q):
+    return jnp.sum(tokamax.dot_product_attention(
+        q, q, q, is_causal=True, implementation="triton"))
+
+  jax.config.update("tokamax_triton_interpret", True)  # worker threads too
+  try:
+    result = tokamax.autotune(jax.jit(jax.grad(loss)), q, progress_bar=False)
+    by_class = {e.op.split(":")[1]: e for e in result.entries}
+    assert set(by_class) == {"TritonDotProductAttention", "TritonDotProductAttentionVjp"}
+    assert len(by_class["TritonDotProductAttention"].measurements) == 3  # + heuristic
+    restored = tokamax.AutotuningResult.loads(result.dumps())
+    with restored:
+      g = jax.jit(jax.grad(loss))(q)
+    want = jax.grad(lambda q: jnp.sum(reference.attention(q, q, q, is_causal=True)))(
+        reference.f64(q))
+    reference.assert_close(g, want, 1e-4)
+  finally:
+    jax.config.update("tokamax_triton_interpret", False)

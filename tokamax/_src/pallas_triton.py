@@ -11,6 +11,7 @@ jax.config.update("tokamax_triton_interpret", True).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import jax
@@ -89,6 +90,25 @@ def check_platform(op: op_lib.Op) -> None:
     )
 
 
+def check_not_explicitly_sharded(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
+  """Refuses arrays sharded over Explicit mesh axes (outside shard_map).
+
+  A Triton kernel is one custom call over whole arrays; XLA cannot split it,
+  and explicit sharding forbids the implicit gathers. Inside jax.shard_map
+  the kernel sees per-shard arrays and runs.
+  """
+  for name, a in ba.arrays.items():
+    for leaf in jax.tree.leaves(a):
+      sharding = getattr(jax.typeof(leaf), "sharding", None)
+      spec = getattr(sharding, "spec", None)
+      if spec is not None and any(axis is not None for axis in spec):
+        raise op.unsupported(
+            f"{name} is sharded over explicit mesh axes ({spec}); call the"
+            " kernel inside jax.shard_map (it then sees one shard) or use"
+            " implementation='xla'."
+        )
+
+
 def check_dtype(op: op_lib.Op, name: str, dtype) -> None:
   dtype = jnp.dtype(dtype)
   if dtype == jnp.float64:
@@ -100,12 +120,23 @@ def check_dtype(op: op_lib.Op, name: str, dtype) -> None:
     )
 
 
+def _varying(a) -> frozenset:
+  mat = getattr(jax.typeof(a), "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
 def pallas_call(kernel, *, out_shape, grid, num_warps, num_stages=None, name,
                 input_output_aliases=None):
-  """pl.pallas_call on whole arrays (kernels index refs themselves)."""
-  return pl.pallas_call(
+  """pl.pallas_call on whole arrays (kernels index refs themselves).
+
+  Returns f(*inputs) -> list of outputs. Inside `jax.shard_map` (with its
+  varying-axes check) the inputs are made to vary over the union of their
+  mesh axes and the outputs are declared to vary over the same axes: a
+  kernel's outputs depend on all of its inputs.
+  """
+  call = functools.partial(
+      pl.pallas_call,
       kernel,
-      out_shape=out_shape,
       grid=grid,
       compiler_params=pltr.CompilerParams(
           num_warps=num_warps, num_stages=num_stages
@@ -114,3 +145,21 @@ def pallas_call(kernel, *, out_shape, grid, num_warps, num_stages=None, name,
       name=name,
       input_output_aliases=input_output_aliases or {},
   )
+
+  def run(*inputs):
+    shapes = list(out_shape)
+    if jax_config._check_vma.value:
+      union = frozenset().union(*(_varying(a) for a in inputs))
+      inputs = [
+          jax.lax.pcast(a, tuple(sorted(union - _varying(a))), to="varying")
+          if union - _varying(a) else a
+          for a in inputs
+      ]
+      mat = jax.sharding.ManualAxisType(varying=union)
+      shapes = [
+          jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat)
+          for s in shapes
+      ]
+    return list(call(out_shape=shapes)(*inputs))
+
+  return run

@@ -703,6 +703,7 @@ def vjp_search_space(t: int, s: int, h: int, itemsize: int) -> set[TritonAttenti
 def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
   """Shared by the forward and the VJP (`ba`: the forward's arguments)."""
   pallas_triton.check_platform(op)
+  pallas_triton.check_not_explicitly_sharded(op, ba)
   args = ba.arguments
   pallas_triton.check_dtype(op, "query", args["query"].dtype)
   if args["bias"] is not None:

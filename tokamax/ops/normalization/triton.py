@@ -147,6 +147,7 @@ def _num_sms() -> int:
 def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
   """Shared by the forward and the VJP (`ba`: the forward's arguments)."""
   pallas_triton.check_platform(op)
+  pallas_triton.check_not_explicitly_sharded(op, ba)
   args = ba.arguments
   x = args["x"]
   for name in ("x", "scale", "offset"):
