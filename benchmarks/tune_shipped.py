@@ -3,7 +3,8 @@
 Usage: TOKAMAX_CACHE_DIR=tokamax/data/autotuning python benchmarks/tune_shipped.py
 (on the device the shipped cache is for). Shapes: the seed flow's f_grad;
 layer_norm x 8192x8192 and 65536x1024 bf16 with f32 scale and offset; the
-seed attention shape, causal and not, with "xla_chunked".
+seed attention shape, causal and not, with "xla_chunked"; the "mosaic"
+forward at the attention benchmark shapes (TUNE=mosaic: only those).
 """
 
 from __future__ import annotations
@@ -29,8 +30,27 @@ def _tune(name, f, *args):
           f" ({len(e.measurements)} configs)")
 
 
+# The attention benchmark shapes (B, T, N, K, H) and causal flags.
+MOSAIC_SHAPES = [((32, 2048, 16, 16, 64), (False, True)),
+                 ((8, 4096, 16, 16, 128), (False, True)),
+                 ((4, 4096, 32, 8, 128), (True,))]
+
+
+def tune_mosaic():
+  for (b, t, n, kh, h), causals in MOSAIC_SHAPES:
+    q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
+    for causal in causals:
+      f = jax.jit(lambda q, k, v, causal=causal: tokamax.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="mosaic"))
+      _tune(f"mosaic {(b, t, n, kh, h)} causal={causal}", f, q, kv, kv)
+
+
 def main():
   assert os.environ.get("TOKAMAX_CACHE_DIR"), "set TOKAMAX_CACHE_DIR"
+  if os.environ.get("TUNE") == "mosaic":
+    tune_mosaic()
+    return
   on_gpu = jax.default_backend() == "gpu"
   x, scale = common.seed_inputs(demo)
   impls = demo.runnable_implementations(x, scale, log=lambda *_: None)
@@ -53,6 +73,8 @@ def main():
     ln_loss = lambda x, s, o: jnp.sum(
         tokamax.layer_norm(x, s, o, implementation=impl).astype(jnp.float32))
     _tune(f"layer_norm {shape}", jax.jit(jax.grad(ln_loss, argnums=(0, 1, 2))), ln_x, p, p)
+  if on_gpu:
+    tune_mosaic()
 
 
 if __name__ == "__main__":

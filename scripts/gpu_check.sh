@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|kernels|final|ship|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|kernels|gpu_tests|ship_mosaic|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -32,6 +32,26 @@ if [[ $what == ship ]]; then
     tests/test_autotuning.py 2>&1 | tail -4
   exit
 fi
+if [[ $what == gpu_tests ]]; then
+  # The demo and every GPU-marked test (one call; the benchmarks go in another).
+  TOKAMAX_CACHE_DIR="$OUT/cache" timeout 120 python3 scripts/demo.py > "$OUT/demo.log" 2>&1 \
+    || { status=1; tail -5 "$OUT/demo.log"; }
+  tail -4 "$OUT/demo.log"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_S:-460} python3 -m pytest -q -n 12 -p no:cacheprovider \
+    -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 || status=1
+  exit $status
+fi
+if [[ $what == ship_mosaic ]]; then
+  # dispatch/autotuning tests, tune "mosaic" into the shipped cache, benchmark.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    tests/test_dispatch.py tests/test_autotuning.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
+  TUNE=mosaic TOKAMAX_CACHE_DIR=$PWD/tokamax/data/autotuning timeout 200 python3 benchmarks/tune_shipped.py \
+    2>&1 | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/tune.log" | tail -30
+  mkdir -p "$OUT/cache" && cp tokamax/data/autotuning/*/*.json "$OUT/cache/"
+  timeout 240 python3 benchmarks/attention.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/bench.log" | tail -60
+  exit
+fi
 if [[ $what == final ]]; then
   # Everything GPU-marked plus the layer_norm benchmark, inside one call.
   TOKAMAX_CACHE_DIR="$OUT/cache" timeout 120 python3 scripts/demo.py > "$OUT/demo.log" 2>&1 \
@@ -52,6 +72,14 @@ if [[ $what == kernels ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 60 python3 -m pytest -q -n 8 -p no:cacheprovider \
     tests/test_dispatch.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.log"
   exit $status
+fi
+if [[ $what == mosaic ]]; then
+  # Mosaic attention: GPU tests (TESTS = -k filter), then the config sweep.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_S:-300} python3 -m pytest -q -n 8 -p no:cacheprovider \
+    -m gpu tests/test_attention.py -k "${TESTS:-Mosaic}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  timeout ${SWEEP_S:-300} python3 benchmarks/attention_mosaic_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/sweep.log" | tail -80
+  exit
 fi
 if [[ $what == attn ]]; then
   # Triton attention: GPU tests, then the config sweep at the benchmark shapes.

@@ -74,6 +74,13 @@ FEATURES = {
             ("logits_soft_cap", 3.0),
         ),
     ),
+    "combined_positional": Case(
+        n=4, kh=2, t=48, s=64, q_lens=True, kv_lens=True,
+        kwargs=(
+            ("is_causal", True), ("local_window_size", (20, 0)),
+            ("logits_soft_cap", 3.0),
+        ),
+    ),
     "combined_no_batch": Case(
         batch=(), bias=(2, 1, 40), mask=(40, 40),
         kwargs=(("local_window_size", (9, 4)), ("logits_soft_cap", 1.5)),
@@ -213,10 +220,13 @@ class AttentionTestBase:
           name,
       )
 
+  fresh_feature = "combined"  # the widest feature set the implementation runs
+
   def test_fresh_inputs_each_seed(self):
     # The same function on other random inputs (guards against lucky data).
+    f = self.fresh_feature
     for seed in (11, 12):
-      self.check(FEATURES["combined"], self.dtypes[0], "combined", seed=seed)
+      self.check(FEATURES[f], self.dtypes[0], f, seed=seed)
 
   @pytest.mark.gpu
   @pytest.mark.parametrize("causal", [False, True])
@@ -522,3 +532,196 @@ class TestTritonGpuSmallBlocks(AttentionTestBase):
   op = _triton_op(dict(block_q=16, block_k=16),
                   dict(block_k=16, block_q=16, dq_block_q=16, dq_block_k=16))
   dtypes = (F32, BF16, F16)
+
+
+# --- "mosaic": GPU interpreter on CPU, lowering for CUDA, real GPU -----------
+
+from tokamax._src import pallas_mosaic  # noqa: E402
+from tokamax.ops.attention import mosaic as mosaic_attn  # noqa: E402
+
+MOSAIC_TARGET = "mosaic_gpu_v2"
+# Bias and mask tiles are not in the Mosaic kernel yet (issue #5).
+MOSAIC_UNSUPPORTED = frozenset({
+    "bias_full", "bias_broadcast", "bias_rank2", "mask", "mask_broadcast",
+    "combined", "combined_no_batch",
+})
+
+
+def _mosaic_op(**config):
+  return mosaic_attn.MosaicDotProductAttention(
+      config=mosaic_attn.MosaicAttentionConfig(**config))
+
+
+class _MosaicInterpretMixin:
+  # The forward in the Mosaic GPU interpreter (uninitialised shared and
+  # output memory reads as NaN), its Triton VJP in Pallas interpret mode.
+  @pytest.fixture(autouse=True, scope="class")
+  @classmethod
+  def _interpret(cls):
+    with pallas_mosaic.interpret_mode(), pallas_triton.interpret_mode():
+      yield
+
+
+class TestMosaicInterpret(_MosaicInterpretMixin, AttentionTestBase):
+  """The whole base with the Mosaic forward in the GPU interpreter (CPU)."""
+
+  implementation = "mosaic"
+  dtypes = (BF16, F16)
+  unsupported = MOSAIC_UNSUPPORTED
+  fresh_feature = "combined_positional"
+
+  def test_head_dim_too_large_refused(self):
+    q = jax.ShapeDtypeStruct((1, 16, 1, 264), BF16)
+    with pytest.raises(NotImplementedError, match="mosaic.*head dims up to 256"):
+      jax.eval_shape(self.attention, q, q, q)
+
+
+class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
+  """64-row tiles, 64-key steps: block skipping, the consumers' skip steps,
+  the ring wrapping around, rows/keys past the ends, short sequences."""
+
+  implementation = "mosaic"
+  op = _mosaic_op(block_q=64, block_kv=64, num_stages=2)
+  dtypes = (BF16,)
+  unsupported = MOSAIC_UNSUPPORTED
+  fresh_feature = "combined_positional"
+
+  @pytest.mark.parametrize("feature", ["causal", "window_left_right", "kv_lens",
+                                       "combined_positional", "t_ne_s_causal"])
+  def test_feature(self, feature):
+    c = dataclasses.replace(FEATURES[feature], t=300, s=260)
+    self.check(c, BF16, feature)
+
+  @hypothesis.settings(max_examples=6, deadline=None)
+  @hypothesis.given(
+      t=st.integers(1, 300), s=st.integers(1, 300), kh=st.integers(1, 2),
+      g=st.integers(1, 2), causal=st.booleans(), stages=st.sampled_from([1, 2, 3]),
+      window=st.sampled_from([None, 3, (0, 70), (90, 0), (None, 9)]),
+      lens=st.booleans(), h=st.sampled_from([64, 40]),
+  )
+  def test_hypothesis_blocks(self, t, s, kh, g, causal, stages, window, lens, h):
+    kwargs = (("is_causal", causal), ("local_window_size", window))
+    c = Case(batch=(2,), t=t, s=s, n=kh * g, kh=kh, h=h, kwargs=kwargs,
+             q_lens=lens, kv_lens=lens)
+    self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=stages)
+    self.check(c, BF16)
+
+
+MOSAIC_LOWER_CASES = {
+    "seed_B32_T2048_N16_H64": ((32, 2048, 2048, 16, 16, 64, 64), {}),
+    "seed_causal": ((32, 2048, 2048, 16, 16, 64, 64), dict(is_causal=True)),
+    "B8_T4096_N16_H128": ((8, 4096, 4096, 16, 16, 128, 128), {}),
+    "B8_T4096_N16_H128_causal": ((8, 4096, 4096, 16, 16, 128, 128),
+                                 dict(is_causal=True)),
+    "gqa_N32_K8_H128_causal": ((4, 4096, 4096, 32, 8, 128, 128), dict(is_causal=True)),
+    "H256_window_cap": ((2, 1000, 1100, 4, 2, 256, 256),
+                        dict(local_window_size=(100, 10), logits_soft_cap=20.0)),
+    "H80_Hv48_lengths": ((2, 777, 301, 4, 2, 80, 48), "lengths"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOSAIC_LOWER_CASES))
+def test_mosaic_lowers_for_cuda(name):
+  """Forward and gradient lower for an H200 on CPU: TMA tiling, shared memory,
+  wgmma shapes and layouts are checked by the Mosaic GPU lowering."""
+  (b, t, s, n, kh, h, hv), kw = MOSAIC_LOWER_CASES[name]
+  spec = jax.ShapeDtypeStruct
+  arrays = dict(query=spec((b, t, n, h), BF16), key=spec((b, s, kh, h), BF16),
+                value=spec((b, s, kh, hv), BF16))
+  if kw == "lengths":
+    arrays.update(query_seq_lengths=spec((b,), jnp.int32),
+                  key_value_seq_lengths=spec((b,), jnp.int32))
+    kw = dict(is_causal=True)
+  diff = {k: arrays[k] for k in ("query", "key", "value")}
+  rest = {k: v for k, v in arrays.items() if k not in diff}
+  f = lambda d, r: tokamax.dot_product_attention(**d, **r, **kw, implementation="mosaic")
+  loss = lambda d, r: jnp.sum(f(d, r).astype(F32))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    fwd_text = _lower_text(f, diff, rest)
+    grad_text = _lower_text(jax.grad(loss), diff, rest)
+  assert fwd_text.count(MOSAIC_TARGET) == 1
+  assert grad_text.count(MOSAIC_TARGET) == 1
+  assert grad_text.count(TRITON_TARGET) == 2  # the Triton dk/dv and dq kernels
+
+
+def test_mosaic_search_space_lowers_for_cuda():
+  for h in (64, 128, 256):
+    q = jax.ShapeDtypeStruct((1, 1000, 2, h), BF16)
+    kv = jax.ShapeDtypeStruct((1, 1100, 1, h), BF16)
+    for config in mosaic_attn.search_space(1000, 1100, h, h, 2):
+      op = mosaic_attn.MosaicDotProductAttention(config=config)
+      with tokamax.config.cross_compile("NVIDIA H200"):
+        text = _lower_text(lambda q, k, v: op(q, k, v, is_causal=True), q, kv, kv)
+      assert text.count(MOSAIC_TARGET) == 1, config
+
+
+def test_mosaic_refusals():
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), BF16)
+  mask = jax.ShapeDtypeStruct((128, 128), jnp.bool_)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    with pytest.raises(NotImplementedError, match="mosaic.*mask is not implemented"):
+      jax.eval_shape(lambda q, m: tokamax.dot_product_attention(
+          q, q, q, mask=m, implementation="mosaic"), q, mask)
+    q32 = jax.ShapeDtypeStruct((1, 128, 2, 64), F32)
+    with pytest.raises(NotImplementedError, match="mosaic.*bf16 or f16"):
+      jax.eval_shape(lambda q: tokamax.dot_product_attention(
+          q, q, q, implementation="mosaic"), q32)
+    # implementation=None takes another kernel for what "mosaic" refuses.
+    text = _lower_text(lambda q, m: tokamax.dot_product_attention(
+        q, q, q, mask=m, logits_soft_cap=5.0), q, mask)
+    assert MOSAIC_TARGET not in text and TRITON_TARGET in text
+  for kind in ("NVIDIA A100", "NVIDIA B200"):
+    with tokamax.config.cross_compile(kind):
+      with pytest.raises(NotImplementedError, match="mosaic.*Hopper"):
+        jax.eval_shape(lambda q: tokamax.dot_product_attention(
+            q, q, q, implementation="mosaic"), q)
+
+
+@pytest.mark.parametrize("bad", [dict(block_q=32), dict(block_kv=96),
+                                 dict(num_stages=0), dict(num_stages=5)])
+def test_mosaic_config_validation(bad):
+  with pytest.raises(ValueError):
+    mosaic_attn.MosaicAttentionConfig(**bad)
+
+
+def test_mosaic_heuristics_fit_shared_memory():
+  for h, hv in [(64, 64), (128, 128), (256, 256), (128, 64), (256, 128)]:
+    c = mosaic_attn.heuristic_config(2048, 2048, h, hv, 2)
+    assert mosaic_attn.smem_bytes(c, h, hv, 2) <= pallas_mosaic.SMEM_BYTES
+    assert c in mosaic_attn.search_space(2048, 2048, h, hv, 2) or h == 256
+
+
+@pytest.mark.gpu
+class TestMosaicGpu(AttentionTestBase):
+  """The whole base with the compiled Mosaic forward on an H100/H200."""
+
+  implementation = "mosaic"
+  dtypes = (BF16, F16)
+  unsupported = MOSAIC_UNSUPPORTED
+  fresh_feature = "combined_positional"
+
+  @pytest.mark.parametrize("causal", [False, True])
+  @pytest.mark.parametrize("shape", [(1, 4096, 16, 16, 128), (1, 1024, 32, 8, 128),
+                                     (1, 1000, 4, 4, 256), (2, 777, 4, 2, 80),
+                                     (2, 2048, 8, 8, 64), (1, 300, 4, 2, 32)])
+  def test_real_size_shapes(self, shape, causal):
+    b, t, n, kh, h = shape
+    self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h,
+                    kwargs=(("is_causal", causal),)), BF16)
+
+  @pytest.mark.parametrize("config", sorted(
+      mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))
+  def test_search_space_configs(self, config):
+    """Every autotuning candidate compiles and is right (H128, many blocks)."""
+    self.op = _mosaic_op(block_q=config.block_q, block_kv=config.block_kv,
+                         num_stages=config.num_stages)
+    self.check(Case(batch=(1,), t=1000, s=1100, n=4, kh=2, h=128, q_lens=True,
+                    kv_lens=True, kwargs=(("is_causal", True),
+                                          ("local_window_size", (300, None)))), BF16)
+
+  def test_deterministic(self):
+    args, kwargs, _ = make_inputs(Case(batch=(2,), t=2048, s=2048, n=4, kh=2, h=128,
+                                       kwargs=(("is_causal", True),)), BF16, 3)
+    f = jax.jit(lambda a: self.attention(**a, **kwargs))
+    np.testing.assert_array_equal(np.asarray(f(args), np.float32),
+                                  np.asarray(f(args), np.float32))

@@ -106,7 +106,7 @@ def test_seed_flow_export_round_trip_on_cpu():
   exported = jax.export.export(
       f_grad, disabled_checks=tokamax_export.DISABLE_JAX_EXPORT_CHECKS
   )(*_specs(x, scale))
-  assert tokamax_export.custom_call_targets(exported) <= OURS
+  assert tokamax_export.custom_call_targets(exported) <= OURS | {"mosaic_gpu_v2"}
 
   restored = _round_trip(exported)
   if not ON_GPU:
@@ -227,23 +227,6 @@ def test_cross_compile_bad_num_cores(num_cores):
       pass
 
 
-@pytest.mark.parametrize("op, impl", [
-    ("dot_product_attention", "mosaic"),
-])
-def test_planned_kernels_refuse_as_not_implemented_when_cross_compiling(
-    op, impl
-):
-  x, _ = _seed_inputs()
-  args = (x,) if op == "layer_norm" else (x, x, x)
-  with cross_compile("NVIDIA H200"):
-    with pytest.raises(NotImplementedError) as info:
-      getattr(tokamax, op)(*args, implementation=impl)
-  message = str(info.value)
-  assert f"'{impl}'" in message
-  assert "not implemented yet" in message
-  assert "requires an NVIDIA GPU" not in message
-
-
 def test_triton_attention_exports_for_cuda_on_cpu_host():
   """Forward and gradient of the Triton kernels export with our checks list."""
   x, _ = _seed_inputs()
@@ -264,19 +247,40 @@ def test_triton_attention_exports_for_cuda_on_cpu_host():
   assert restored.in_avals == exported.in_avals
 
 
+def test_mosaic_attention_exports_for_cuda_on_cpu_host():
+  """The Mosaic forward (mosaic_gpu_v2, on JAX's allow-list) and its Triton
+  VJP export from a CPU host; the module round-trips."""
+  x, _ = _seed_inputs()
+
+  def f_grad(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(tokamax.dot_product_attention(
+        q, k, v, is_causal=True, implementation="mosaic").astype(jnp.float32)),
+        argnums=(0, 1, 2))(q, k, v)
+
+  spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  with cross_compile("NVIDIA H200"):
+    exported = jax.export.export(
+        jax.jit(f_grad), platforms=["cuda"],
+        disabled_checks=tokamax_export.DISABLE_JAX_EXPORT_CHECKS,
+    )(spec, spec, spec)
+  assert tokamax_export.custom_call_targets(exported) == {
+      "mosaic_gpu_v2", "__gpu$xla.gpu.triton"}
+  assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 2  # dk/dv, dq
+  assert _round_trip(exported).in_avals == exported.in_avals
+
+
 def test_seed_flow_lowers_and_exports_for_cuda_on_cpu_host():
   x, scale = _seed_inputs()
   demo = _demo()
   with cross_compile("NVIDIA H200"):
     reasons = []
     implementations = demo.runnable_implementations(x, scale, reasons.append)
-    # The triton layer_norm lowers for CUDA; "mosaic" attention is planned.
-    assert implementations == ("triton", "xla_chunked", None, None)
-    assert any("not implemented yet" in r for r in reasons)
-    assert not any("requires an NVIDIA GPU" in r for r in reasons)
+    # Every seed call lowers for an H200 as written.
+    assert implementations == ("triton", "xla_chunked", None, "mosaic")
+    assert not reasons
     f_grad = jax.jit(jax.grad(demo.make_loss(implementations)))
     lowered = f_grad.trace(x, scale).lower(lowering_platforms=("cuda",))
-    assert tokamax_export.custom_call_targets(lowered) <= OURS
+    assert tokamax_export.custom_call_targets(lowered) <= OURS | {"mosaic_gpu_v2"}
     exported = jax.export.export(
         f_grad, platforms=["cuda"],
         disabled_checks=tokamax_export.DISABLE_JAX_EXPORT_CHECKS,
@@ -386,7 +390,9 @@ def test_seed_flow_with_cudnn_exports_for_cuda(fake_cudnn):
   x, scale = _seed_inputs()
   demo = _demo()
   with cross_compile("NVIDIA H200"):
-    loss = demo.make_loss(demo.runnable_implementations(x, scale, lambda _: 0))
+    # The seed with its fourth call left to implementation=None (cuDNN).
+    impls = demo.runnable_implementations(x, scale, lambda _: 0)[:3] + (None,)
+    loss = demo.make_loss(impls)
     f_grad = jax.jit(jax.grad(loss))
     with pytest.raises(ValueError, match="custom calls"):
       jax.export.export(f_grad, platforms=["cuda"])(*_specs(x, scale))
@@ -396,7 +402,7 @@ def test_seed_flow_with_cudnn_exports_for_cuda(fake_cudnn):
     )(*_specs(x, scale))
   targets = tokamax_export.custom_call_targets(exported)
   assert "__cudnn$fmhaSoftmaxBackward" in targets
-  assert targets <= OURS
+  assert targets <= OURS | {"mosaic_gpu_v2"}
 
 
 # --- GPU ---------------------------------------------------------------------

@@ -6,28 +6,22 @@ from typing import Any
 
 from tokamax._src import dispatch
 from tokamax._src import platform
-from tokamax.ops.attention import cudnn, triton, xla, xla_chunked
+from tokamax.ops.attention import cudnn, mosaic, triton, xla, xla_chunked
 
 _OP = "dot_product_attention"
 dispatch.register(_OP, "xla", xla.DotProductAttention)
 dispatch.register(_OP, "xla_chunked", xla_chunked.ChunkedDotProductAttention)
 dispatch.register(_OP, "cudnn", cudnn.CudnnDotProductAttention)
 dispatch.register(_OP, "triton", triton.TritonDotProductAttention)
-dispatch.register(
-    _OP, "mosaic",
-    dispatch.planned(
-        _OP, "mosaic", "issue #5: Pallas:Mosaic GPU kernels",
-        requires_capability=(9, 0), exact_capability=True,
-    ),
-)
+dispatch.register(_OP, "mosaic", mosaic.MosaicDotProductAttention)
 
 
 def _default_order(target: platform.Target) -> list[str]:
-  # "triton" is slower than cuDNN at every shape measured on the H200
-  # (docs/benchmarks.md) and much faster than XLA: it serves what cuDNN
-  # refuses (soft cap, f32, Hv != H, windows, causal with T != S, ...).
+  # Measured on the H200 (docs/benchmarks.md): cuDNN is fastest where it runs;
+  # "mosaic" (Hopper only, bf16/f16, no bias/mask) is faster than "triton",
+  # which takes the rest (f32, bias/mask with soft cap or windows, sm80).
   if target.is_nvidia_gpu:
-    return ["mosaic", "cudnn", "triton", "xla"]
+    return ["cudnn", "mosaic", "triton", "xla"]
   return ["xla"]
 
 

@@ -110,7 +110,7 @@ class TritonAttentionVjpConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Spec:
+class Spec:
   """Everything static a kernel needs (hashable, closed over by kernels)."""
 
   t: int
@@ -132,7 +132,7 @@ class _Spec:
   precision: object
 
   @classmethod
-  def of(cls, args) -> "_Spec":
+  def of(cls, args) -> "Spec":
     q, k, v = args["query"], args["key"], args["value"]
     window = args["local_window_size"]
     left, right = window if window is not None else (None, None)
@@ -177,7 +177,7 @@ def _and(a, b):
   return a & b
 
 
-def _lengths(sp: _Spec, q_len_ref, kv_len_ref, b):
+def _lengths(sp: Spec, q_len_ref, kv_len_ref, b):
   """(q_lim, kv_lim): rows >= q_lim and keys >= kv_lim see nothing."""
   q_lim = i32(sp.t)
   kv_lim = i32(sp.s)
@@ -192,7 +192,7 @@ def _clamp(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def _blocks_seen(start, size: int, other_block: int, lim_self, lim_other,
+def blocks_seen(start, size: int, other_block: int, lim_self, lim_other,
                  before: int | None, after: int | None, strict: bool):
   """Blocks of the other axis seen by positions [start, start + size).
 
@@ -227,24 +227,24 @@ def _blocks_seen(start, size: int, other_block: int, lim_self, lim_other,
   return lo, a, c, hi
 
 
-def _key_blocks(sp: _Spec, t0, bq: int, bk: int, q_lim, kv_lim):
-  """Key blocks for the query rows [t0, t0 + bq) (see _blocks_seen).
+def _key_blocks(sp: Spec, t0, bq: int, bk: int, q_lim, kv_lim):
+  """Key blocks for the query rows [t0, t0 + bq) (see blocks_seen).
 
   Rows >= q_lim do not count (their outputs are zeroed by the caller).
   """
-  return _blocks_seen(t0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False)
+  return blocks_seen(t0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False)
 
 
-def _query_blocks(sp: _Spec, k0, bk: int, bq: int, q_lim, kv_lim):
-  """Query blocks that see keys [k0, k0 + bk) (see _blocks_seen).
+def _query_blocks(sp: Spec, k0, bk: int, bq: int, q_lim, kv_lim):
+  """Query blocks that see keys [k0, k0 + bk) (see blocks_seen).
 
   Full blocks have every row < q_lim and see every key of the block (all of
   them < kv_lim): key j is seen by row i iff j - right <= i <= j + left.
   """
-  return _blocks_seen(k0, bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True)
+  return blocks_seen(k0, bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True)
 
 
-def _positional(sp: _Spec, r, c, q_lim, kv_lim):
+def positional(sp: Spec, r, c, q_lim, kv_lim):
   """Bool visibility by causal/window/lengths of rows r and keys c.
 
   r and c are broadcastable position arrays: [bq, 1] and [1, bk] for a block
@@ -280,7 +280,7 @@ def _store_rows(ref, value, b, head, r0, limit, width):
   )
 
 
-def _load_ts(ref, dims, b, n, r0, c0, bq: int, bk: int, sp: _Spec, other):
+def _load_ts(ref, dims, b, n, r0, c0, bq: int, bk: int, sp: Spec, other):
   """Block [bq|1, bk|1] of a bias/mask ref [b, n, t|1, s|1]."""
   fb, fn, ft, fs = dims
   mask = None
@@ -300,7 +300,7 @@ def _load_ts(ref, dims, b, n, r0, c0, bq: int, bk: int, sp: _Spec, other):
   return pltr.load(ref.at[idx], mask=mask, other=other)
 
 
-def _raw_scale(sp: _Spec) -> float | None:
+def raw_scale(sp: Spec) -> float | None:
   """log2(e) * scale when logits are a plain positive multiple of q.k.
 
   Then the running max can be taken on q.k itself and exp2(c qk - m) is one
@@ -311,7 +311,7 @@ def _raw_scale(sp: _Spec) -> float | None:
   return None
 
 
-def _logits2(sp: _Spec, q, k, bias, key_major=False):
+def _logits2(sp: Spec, q, k, bias, key_major=False):
   """Base-2 logits log2(e) * capped(scale q.k + bias) and tanh (or None).
 
   [bq, bk] from q [bq, H], k [bk, H]; key_major: [bk, bq] from k, q (bias is
@@ -341,7 +341,7 @@ def _visibility(sp, masked, rows, cols, q_lim, kv_lim, mask_ref, b, n, r0, c0,
     r, c = rows[None, :], cols[:, None]
   else:
     r, c = rows[:, None], cols[None, :]
-  vis = _positional(sp, r, c, q_lim, kv_lim) if masked else None
+  vis = positional(sp, r, c, q_lim, kv_lim) if masked else None
   if mask_ref is not None:
     m = _load_ts(mask_ref, sp.mask_dims, b, n, r0, c0, bq, bk, sp, 0) != 0
     if key_major:
@@ -358,7 +358,7 @@ def _run_blocks(ranges, body, carry):
   return lax.fori_loop(c, hi, functools.partial(body, masked=True), carry)
 
 
-def _split_refs(refs, sp: _Spec, names):
+def _split_refs(refs, sp: Spec, names):
   """Kernel refs by name; optional inputs are present only when used."""
   it = iter(refs)
   out = {}
@@ -377,7 +377,7 @@ def _split_refs(refs, sp: _Spec, names):
 # --- forward -------------------------------------------------------------------
 
 
-def _fwd_kernel(*refs, sp: _Spec, bq: int, bk: int, save_lse: bool):
+def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
   r, outs = _split_refs(refs, sp, ("q", "k", "v", "bias", "mask", "q_len", "kv_len"))
   o_ref = outs[0]
   lse_ref = outs[1] if save_lse else None
@@ -387,7 +387,7 @@ def _fwd_kernel(*refs, sp: _Spec, bq: int, bk: int, save_lse: bool):
   rows = t0 + jnp.arange(bq)
   q_lim, kv_lim = _lengths(sp, r["q_len"], r["kv_len"], b)
   q = _load_rows(r["q"], b, n, t0, bq, sp.hp, sp.t, sp.h, True)
-  raw = _raw_scale(sp)
+  raw = raw_scale(sp)
 
   def body(j, carry, masked):
     m, l, acc = carry
@@ -433,7 +433,7 @@ def _fwd_kernel(*refs, sp: _Spec, bq: int, bk: int, save_lse: bool):
     pltr.store(lse_ref.at[b, n, pl.ds(t0, bq)], lse, mask=rows < sp.t)
 
 
-def _query_program(sp: _Spec, bq: int):
+def _query_program(sp: Spec, bq: int):
   """(query block, batch, head) of this program; under a causal or right
   window the longest rows run first (less tail imbalance)."""
   i, b, n = (i32(pl.program_id(a)) for a in range(3))
@@ -455,7 +455,7 @@ def _inputs(args):
 
 def attention_forward(args, config: TritonAttentionConfig, return_residuals: bool):
   """(out [B, T, N, Hv], lse [B, N, T] f32 or None) by the forward kernel."""
-  sp = _Spec.of(args)
+  sp = Spec.of(args)
   q = args["query"]
   bsz, t, n, _ = q.shape
   bq, bk = _clip_block(config.block_q, t), _clip_block(config.block_k, sp.s)
@@ -474,7 +474,7 @@ def attention_forward(args, config: TritonAttentionConfig, return_residuals: boo
 # --- backward ------------------------------------------------------------------
 
 
-def _dkdv_kernel(*refs, sp: _Spec, bq: int, bk: int):
+def _dkdv_kernel(*refs, sp: Spec, bq: int, bk: int):
   names = ("q", "k", "v", "bias", "mask", "q_len", "kv_len", "do", "lse", "delta")
   r, outs = _split_refs(refs, sp, names)
   if sp.bias_dims is not None:
@@ -533,7 +533,7 @@ def _dkdv_kernel(*refs, sp: _Spec, bq: int, bk: int):
   _store_rows(dv_ref, dv, b, kh, k0, sp.s, sp.hv)
 
 
-def _dq_kernel(*refs, sp: _Spec, bq: int, bk: int):
+def _dq_kernel(*refs, sp: Spec, bq: int, bk: int):
   names = ("q", "k", "v", "bias", "mask", "q_len", "kv_len", "do", "lse", "delta")
   r, outs = _split_refs(refs, sp, names)
   dq_ref = outs[0]
@@ -577,7 +577,7 @@ def _dq_kernel(*refs, sp: _Spec, bq: int, bk: int):
 
 def attention_backward(args, residuals, out, dout, config: TritonAttentionVjpConfig):
   """Gradients {query, key, value[, bias]} from the forward's lse."""
-  sp = _Spec.of(args)
+  sp = Spec.of(args)
   q, k, v = args["query"], args["key"], args["value"]
   bsz, t, n, _ = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
