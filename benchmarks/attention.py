@@ -38,6 +38,8 @@ def _flops(shape, causal, mode):
 
 
 def _candidates(slow_xla):
+  yield "tokamax mosaic (shipped cache)", lambda **kw: tokamax.dot_product_attention(
+      **kw, implementation="mosaic")
   yield "tokamax triton (heuristic)", lambda **kw: tokamax.dot_product_attention(
       **kw, implementation="triton")
   if slow_xla:
