@@ -327,7 +327,7 @@ class TestCudnn(AttentionTestBase):
   dtypes = (BF16, F16)
   unsupported = frozenset({
       "soft_cap", "t_ne_s_causal", "value_head_dim", "window", "window_left_right",
-      "combined", "combined_no_batch", "bias_broadcast",
+      "combined", "combined_no_batch", "combined_positional", "bias_broadcast",
   })
   unsupported_grad = frozenset({"odd_sizes"})  # cuDNN trains only even T, S
 
