@@ -152,3 +152,24 @@ def _check_layer_norm_sharded(axis_type, impl):
   got = jax.jit(jax.grad(sm, argnums=(0, 1, 2)))(*args)
   for g, w in zip(got, want):
     reference.assert_close(g, w, 1e-5)
+
+
+def test_mosaic_attention_inside_shard_map_traces_with_varying_axes_check():
+  """The Mosaic forward (plus its Triton VJP) inside shard_map, lowered for an
+  H200: its padding and outputs declare the inputs' mesh axes, so the
+  gradient traces under shard_map's varying-axes check. (Running it needs
+  the GPU: the Mosaic GPU interpreter does not support several devices.)"""
+  mesh = _mesh(jax.sharding.AxisType.Explicit)
+
+  def per_shard(q, k, v, ct):
+    out = tokamax.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation="mosaic")
+    return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * ct), ("data", "model"))
+
+  spec = jax.ShapeDtypeStruct((8, 24, 4, 64), jnp.bfloat16,
+                              sharding=NamedSharding(mesh, SPEC))
+  f = jax.shard_map(per_shard, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=P())
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = str(jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(
+        spec, spec, spec, spec).jaxpr)
+  assert text.count("pallas_call") == 2 and "mpmd" in text  # Triton dk/dv, dq

@@ -341,7 +341,7 @@ class Op(abc.ABC):
     return run(_match_vma(ba.arrays))
 
 
-def _varying(a) -> frozenset:
+def varying(a) -> frozenset:
   """Mesh axes over which `a` varies inside shard_map (empty outside)."""
   mat = getattr(jax.typeof(a), "mat", None)
   return frozenset(mat.varying) if mat is not None else frozenset()
@@ -355,13 +355,13 @@ def _match_vma(arrays: dict[str, Any]) -> dict[str, Any]:
   the psum of their cotangents outside the VJP (pcast's transpose).
   """
   leaves = [a for a in jax.tree.leaves(arrays)]
-  vmas = [_varying(a) for a in leaves]
+  vmas = [varying(a) for a in leaves]
   union = frozenset().union(*vmas)
   if not union:
     return arrays
 
   def cast(a):
-    missing = tuple(sorted(union - _varying(a)))
+    missing = tuple(sorted(union - varying(a)))
     return jax.lax.pcast(a, missing, to="varying") if missing else a
 
   return jax.tree.map(cast, arrays)

@@ -120,11 +120,6 @@ def check_dtype(op: op_lib.Op, name: str, dtype) -> None:
     )
 
 
-def _varying(a) -> frozenset:
-  mat = getattr(jax.typeof(a), "mat", None)
-  return frozenset(mat.varying) if mat is not None else frozenset()
-
-
 def pallas_call(kernel, *, out_shape, grid, num_warps, num_stages=None, name,
                 input_output_aliases=None):
   """pl.pallas_call on whole arrays (kernels index refs themselves).
@@ -149,10 +144,10 @@ def pallas_call(kernel, *, out_shape, grid, num_warps, num_stages=None, name,
   def run(*inputs):
     shapes = list(out_shape)
     if jax_config._check_vma.value:
-      union = frozenset().union(*(_varying(a) for a in inputs))
+      union = frozenset().union(*(op_lib.varying(a) for a in inputs))
       inputs = [
-          jax.lax.pcast(a, tuple(sorted(union - _varying(a))), to="varying")
-          if union - _varying(a) else a
+          jax.lax.pcast(a, tuple(sorted(union - op_lib.varying(a))), to="varying")
+          if union - op_lib.varying(a) else a
           for a in inputs
       ]
       mat = jax.sharding.ManualAxisType(varying=union)

@@ -108,16 +108,13 @@ def smem_bytes(config: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int,
   return sum(_round_up(x, 1024) for x in bufs if x) + 2560  # + barriers, reductions
 
 
-def _pad_last(x, size: int):
-  if x.shape[-1] == size:
+def _pad(x, axis: int, size: int):
+  """x zero-padded at the end of `axis` to at least `size` (a copy if so)."""
+  if x.shape[axis] >= size:
     return x
-  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
-
-
-def _pad_axis1(x, size: int):
-  if x.shape[1] >= size:
-    return x
-  return jnp.pad(x, [(0, 0), (0, size - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
 
 
 # --- the kernel ------------------------------------------------------------------
@@ -346,9 +343,9 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   # 8, and boxes may not exceed short arrays: pad (a copy) only then.
   tq_min = max(cta_rows, _round_up(t, 8))
   s_min = max(bk, _round_up(sp.s, 8))
-  q = _pad_axis1(_pad_last(q, hp), tq_min)
-  k = _pad_axis1(_pad_last(k, hp), s_min)
-  v = _pad_axis1(_pad_last(v, hvp), s_min)
+  q = _pad(_pad(q, 3, hp), 1, tq_min)
+  k = _pad(_pad(k, 3, hp), 1, s_min)
+  v = _pad(_pad(v, 3, hvp), 1, s_min)
   tq = q.shape[1]
   nq = pl.cdiv(tq, cta_rows)
   interpret = pallas_mosaic.INTERPRET.value
@@ -366,6 +363,10 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
       plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
       plgpu.Barrier(num_arrivals=_CONSUMERS),  # sched
+  ]
+  lengths = [
+      x.astype(jnp.int32) for x in
+      (args["query_seq_lengths"], args["key_value_seq_lengths"]) if x is not None
   ]
   out_type = [
       jax.ShapeDtypeStruct((bsz, tq, n, hvp), dtype),
@@ -388,10 +389,6 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       interpret=pallas_mosaic.interpret_params(),
       kernel_name="tokamax_attention_fwd_mosaic",
   )
-  lengths = [
-      x.astype(jnp.int32) for x in
-      (args["query_seq_lengths"], args["key_value_seq_lengths"]) if x is not None
-  ]
   out, lse = kernel(q, k, v, *lengths)
   out = out[:, :t, :, :hv]
   if return_residuals:
