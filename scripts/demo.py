@@ -105,7 +105,8 @@ def main(shape=None, log=print, extended=True, progress_bar=True):
   tune_s = time.perf_counter() - start
   for e in result.entries:
     best = e.measurements[0]
-    log(f"  tuned {e.op.split(':')[1]}: {e.config} ({best.median_ms:.3f} ms,"
+    timing = "every config failed" if best.median_ms is None else f"{best.median_ms:.3f} ms"
+    log(f"  tuned {e.op.split(':')[1]}: {e.config} ({timing},"
         f" {len(e.measurements)} configs)")
   with result:
     out_tuned = f_grad(x, scale)

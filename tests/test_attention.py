@@ -553,12 +553,12 @@ def _mosaic_op(**config):
 
 
 class _MosaicInterpretMixin:
-  # The forward in the Mosaic GPU interpreter (uninitialised shared and
-  # output memory reads as NaN), its Triton VJP in Pallas interpret mode.
+  # The forward and backward kernels in the Mosaic GPU interpreter
+  # (uninitialised shared and output memory reads as NaN).
   @pytest.fixture(autouse=True, scope="class")
   @classmethod
   def _interpret(cls):
-    with pallas_mosaic.interpret_mode(), pallas_triton.interpret_mode():
+    with pallas_mosaic.interpret_mode():
       yield
 
 
@@ -574,6 +574,13 @@ class TestMosaicInterpret(_MosaicInterpretMixin, AttentionTestBase):
     q = jax.ShapeDtypeStruct((1, 16, 1, 264), BF16)
     with pytest.raises(NotImplementedError, match="mosaic.*head dims up to 256"):
       jax.eval_shape(self.attention, q, q, q)
+
+  def test_head_dim_256_two_dkdv_passes(self):
+    """Head dims 256 run the dk/dv kernel twice (dk, then dv)."""
+    assert len(mosaic_attn.dkdv_passes(mosaic_attn.vjp_heuristic_config(
+        70, 90, 256, 256, 2), 256, 256)) == 2
+    self.check(Case(batch=(1,), t=70, s=90, n=2, kh=1, h=256,
+                    kwargs=(("is_causal", True), ("logits_soft_cap", 10.0))), BF16)
 
 
 class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
@@ -640,8 +647,9 @@ def test_mosaic_lowers_for_cuda(name):
     fwd_text = _lower_text(f, diff, rest)
     grad_text = _lower_text(jax.grad(loss), diff, rest)
   assert fwd_text.count(MOSAIC_TARGET) == 1
-  assert grad_text.count(MOSAIC_TARGET) == 1
-  assert grad_text.count(TRITON_TARGET) == 2  # the Triton dk/dv and dq kernels
+  # Forward, dk/dv (twice, dk then dv, for head dims 256) and dq kernels.
+  assert grad_text.count(MOSAIC_TARGET) == (4 if h == 256 else 3)
+  assert TRITON_TARGET not in grad_text
 
 
 def test_mosaic_search_space_lowers_for_cuda():
@@ -684,11 +692,36 @@ def test_mosaic_config_validation(bad):
     mosaic_attn.MosaicAttentionConfig(**bad)
 
 
+@pytest.mark.parametrize("bad", [dict(block_q=32), dict(block_kv=256),
+                                 dict(dq_block_q=96), dict(dq_block_kv=16),
+                                 dict(num_stages=0), dict(dq_num_stages=5)])
+def test_mosaic_vjp_config_validation(bad):
+  with pytest.raises(ValueError, match=next(iter(bad))):
+    mosaic_attn.MosaicAttentionVjpConfig(**bad)
+
+
 def test_mosaic_heuristics_fit_shared_memory():
   for h, hv in [(64, 64), (128, 128), (256, 256), (128, 64), (256, 128)]:
     c = mosaic_attn.heuristic_config(2048, 2048, h, hv, 2)
     assert mosaic_attn.smem_bytes(c, h, hv, 2) <= pallas_mosaic.SMEM_BYTES
     assert c in mosaic_attn.search_space(2048, 2048, h, hv, 2) or h == 256
+    c = mosaic_attn.vjp_heuristic_config(2048, 2048, h, hv, 2)
+    assert max(mosaic_attn.vjp_smem_bytes(c, h, hv, 2)) <= pallas_mosaic.SMEM_BYTES
+    assert c in mosaic_attn.vjp_search_space(2048, 2048, h, hv, 2)
+
+
+def test_mosaic_vjp_search_space_lowers_for_cuda():
+  """Every backward candidate lowers for an H200 (shared memory, wgmma)."""
+  for h in (64, 128, 256):
+    q = jax.ShapeDtypeStruct((1, 1000, 2, h), BF16)
+    kv = jax.ShapeDtypeStruct((1, 1100, 1, h), BF16)
+    for config in mosaic_attn.vjp_search_space(1000, 1100, h, h, 2):
+      op = mosaic_attn.MosaicDotProductAttention(
+          vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=config))
+      loss = lambda q, k, v: jnp.sum(op(q, k, v, is_causal=True).astype(F32))
+      with tokamax.config.cross_compile("NVIDIA H200"):
+        text = _lower_text(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+      assert text.count(MOSAIC_TARGET) == (4 if h == 256 else 3), config
 
 
 @pytest.mark.gpu
@@ -719,9 +752,24 @@ class TestMosaicGpu(AttentionTestBase):
                     kv_lens=True, kwargs=(("is_causal", True),
                                           ("local_window_size", (300, None)))), BF16)
 
+  @pytest.mark.parametrize("config", sorted(
+      mosaic_attn.vjp_search_space(1024, 1024, 128, 128, 2), key=str))
+  def test_vjp_search_space_configs(self, config):
+    """Every backward autotuning candidate compiles and is right."""
+    self.op = mosaic_attn.MosaicDotProductAttention(
+        vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=config))
+    self.check(Case(batch=(1,), t=1000, s=1100, n=4, kh=2, h=128, q_lens=True,
+                    kv_lens=True, kwargs=(("is_causal", True),
+                                          ("local_window_size", (300, None)))), BF16)
+
   def test_deterministic(self):
+    """Forward and gradients are bitwise equal run to run (no atomics)."""
     args, kwargs, _ = make_inputs(Case(batch=(2,), t=2048, s=2048, n=4, kh=2, h=128,
                                        kwargs=(("is_causal", True),)), BF16, 3)
     f = jax.jit(lambda a: self.attention(**a, **kwargs))
     np.testing.assert_array_equal(np.asarray(f(args), np.float32),
                                   np.asarray(f(args), np.float32))
+    loss = lambda a: jnp.sum(self.attention(**a, **kwargs).astype(F32) ** 2)
+    g = jax.jit(jax.grad(loss))
+    for a, b in zip(jax.tree.leaves(g(args)), jax.tree.leaves(g(args))):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

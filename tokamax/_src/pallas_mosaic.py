@@ -6,6 +6,9 @@ warpgroup threads simulated on the CPU; uninitialised memory reads as NaN) and
 skips the platform check. Part of JAX's jit key. Thread-local inside
 `interpret_mode()`; process-wide with TOKAMAX_MOSAIC_INTERPRET=1 or
 jax.config.update("tokamax_mosaic_interpret", True).
+The interpreter can hang (warpgroups blocked in barrier waits) in a process
+with a single CPU device; give it several, e.g.
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (as the tests do).
 """
 
 from __future__ import annotations

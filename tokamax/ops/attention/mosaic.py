@@ -18,8 +18,15 @@ loaded; blocks every row sees in full run without the positional mask),
 soft cap by tanh, GQA by reading kv head n // G (k/v never repeated).
 Saves lse = m + log(l) (f32 [B, N, T]) as the residual.
 
-Backward: the "triton" FlashAttention-2 backward kernels (dk/dv and dq) from
-the same lse residual; a Mosaic backward is not written yet (issue #5).
+Backward (FlashAttention-2 Alg. 2 / FlashAttention-3 Sec. 3.3 without the
+atomic dq), two kernels of the same three-WG shape from the lse residual:
+  * dk/dv: a CTA owns 2 * block_kv keys of one kv head (block_kv per
+    consumer, held in SMEM with dk, dv in registers); the producer streams
+    (q, do, lse, D) tiles of the G query heads and of the query blocks that
+    see the keys. Key-major: s^T = k q^T, p^T = exp2(s^T - lse),
+    dv += p^T do, dp^T = v do^T, ds^T = p^T (dp^T - D), dk += ds^T q.
+    Head dims 256 run it twice (dk, then dv) to fit the registers.
+  * dq: the forward's ring over key blocks; dq += ds k per step.
 
 Shapes: head dims are padded to multiples of 64 (wgmma/TMA tiles; a copy,
 only when H or Hv is not already one). Sequences shorter than a block are
@@ -117,6 +124,44 @@ def _pad(x, axis: int, size: int):
   return jnp.pad(x, widths)
 
 
+def _limits(sp, q_len_ref, kv_len_ref, b):
+  q_lim, kv_lim = jnp.int32(sp.t), jnp.int32(sp.s)
+  if q_len_ref is not None:
+    q_lim = jnp.maximum(jnp.minimum(q_lim, q_len_ref[b]), 0)
+  if kv_len_ref is not None:
+    kv_lim = jnp.maximum(jnp.minimum(kv_lim, kv_len_ref[b]), 0)
+  return q_lim, kv_lim
+
+
+def _query_cta(sp, q_len_ref, kv_len_ref, bq: int, bk: int):
+  """Ids and ranges of a CTA of 2 * bq query rows on the grid (batch, head,
+  q): (b, n, wg, kv head, q_lim, kv_lim, first row, key blocks [lo, hi))."""
+  b = lax.axis_index("batch")
+  n = lax.axis_index("head")
+  qi = lax.axis_index("q")
+  if sp.right is not None:  # causal/right window: the longest CTAs first
+    qi = lax.axis_size("q") - 1 - qi
+  wg = lax.axis_index("wg")
+  kh = lax.div(n, jnp.int32(sp.groups))
+  q_lim, kv_lim = _limits(sp, q_len_ref, kv_len_ref, b)
+  cta0 = qi * (_CONSUMERS * bq)
+  lo, _, _, hi = triton.blocks_seen(
+      cta0, _CONSUMERS * bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False)
+  return b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi
+
+
+def _clamp_ranges(wg_ranges, lo, hi):
+  """A WG's (lo, a, c, hi) inside the CTA's [lo, hi): rows (or keys) past
+  the limits give empty ranges that may start anywhere."""
+  lo_w, a_w, c_w, hi_w = wg_ranges
+  lo_w = jnp.minimum(jnp.maximum(lo_w, lo), hi)
+  hi_w = jnp.minimum(jnp.maximum(hi_w, lo_w), hi)
+  a_w = jnp.minimum(jnp.maximum(a_w, lo_w), hi_w)
+  c_w = jnp.minimum(jnp.maximum(c_w, a_w), hi_w)
+  return ((lo, lo_w, "skip"), (lo_w, a_w, "masked"), (a_w, c_w, "full"),
+          (c_w, hi_w, "masked"), (hi_w, hi, "skip"))
+
+
 # --- the kernel ------------------------------------------------------------------
 
 
@@ -133,22 +178,9 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     o_smem = q_smem
   dtype = q_ref.dtype
 
-  b = lax.axis_index("batch")
-  n = lax.axis_index("head")
-  qi = lax.axis_index("q")
-  if sp.right is not None:  # causal/right window: the longest CTAs first
-    qi = lax.axis_size("q") - 1 - qi
-  wg = lax.axis_index("wg")
-  kh = lax.div(n, jnp.int32(sp.groups))
 
-  q_lim, kv_lim = jnp.int32(sp.t), jnp.int32(sp.s)
-  if q_len_ref is not None:
-    q_lim = jnp.maximum(jnp.minimum(q_lim, q_len_ref[b]), 0)
-  if kv_len_ref is not None:
-    kv_lim = jnp.maximum(jnp.minimum(kv_lim, kv_len_ref[b]), 0)
-  cta0 = qi * (_CONSUMERS * bq)
-  lo, _, _, hi = triton.blocks_seen(
-      cta0, _CONSUMERS * bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False)
+  b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
+      sp, q_len_ref, kv_len_ref, bq, bk)
 
   def schedule():
     plgpu.barrier_arrive(sched)
@@ -162,14 +194,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     if not interpret:
       plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
     r0 = cta0 + wg * bq
-    lo_w, a_w, c_w, hi_w = triton.blocks_seen(
-        r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False)
-    # The CTA's range is the union of its rows': clamp (rows past q_lim give
-    # empty ranges that may start anywhere).
-    lo_w = jnp.minimum(jnp.maximum(lo_w, lo), hi)
-    hi_w = jnp.minimum(jnp.maximum(hi_w, lo_w), hi)
-    a_w = jnp.minimum(jnp.maximum(a_w, lo_w), hi_w)
-    c_w = jnp.minimum(jnp.maximum(c_w, a_w), hi_w)
+    segments = _clamp_ranges(triton.blocks_seen(
+        r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(
         q_ref.at[b, pl.ds(r0, bq), n], q_tile, q_ready.at[wg])
@@ -274,9 +300,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       plgpu.barrier_wait(k_ready.at[slot_of(lo)])
 
     pl.when(wg == 1)(schedule)
-    for start, stop, mode in ((lo, lo_w, "skip"), (lo_w, a_w, "masked"),
-                              (a_w, c_w, "full"), (c_w, hi_w, "masked"),
-                              (hi_w, hi, "skip")):
+    for start, stop, mode in segments:
       carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
     pl.when(wg == 0)(schedule)
     m, l, acc = carry
@@ -396,6 +420,439 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   return out, lse
 
 
+# --- backward ----------------------------------------------------------------
+
+
+@pydantic.dataclasses.dataclass(frozen=True)
+class MosaicAttentionVjpConfig:
+  """dk/dv kernel: key rows per consumer WG (CTA: 2x), query rows per step,
+  ring depth; dq kernel: query rows per consumer WG, key rows per step, ring
+  depth."""
+
+  block_kv: int = 64
+  block_q: int = 64
+  num_stages: int = 2
+  dq_block_q: int = 64
+  dq_block_kv: int = 64
+  dq_num_stages: int = 2
+
+  @pydantic.field_validator("block_kv", "block_q", "dq_block_q", "dq_block_kv")
+  @classmethod
+  def _blocks(cls, v, info):
+    if v not in (64, 128):
+      raise ValueError(f"{info.field_name} must be 64 or 128, got {v}")
+    return v
+
+  @pydantic.field_validator("num_stages", "dq_num_stages")
+  @classmethod
+  def _stages(cls, v, info):
+    if not 1 <= v <= 4:
+      raise ValueError(f"{info.field_name} must be 1..4, got {v}")
+    return v
+
+
+# f32 accumulator values per consumer thread that the dk/dv kernel keeps for
+# dk and dv together; above it (head dims 256) it runs twice, dk then dv.
+_DKDV_ACC_REGS = 128
+
+
+def dkdv_passes(config: MosaicAttentionVjpConfig, hp: int, hvp: int):
+  """((want_dk, want_dv), ...): one fused pass when both fit in registers."""
+  if config.block_kv * (hp + hvp) // 128 <= _DKDV_ACC_REGS:
+    return ((True, True),)
+  return ((True, False), (False, True))
+
+
+def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
+                   itemsize: int, interpret: bool = False) -> tuple[int, int]:
+  """Shared memory of the (dk/dv, dq) kernels (each buffer 1 KiB aligned)."""
+  r = lambda *xs: sum(_round_up(x, 1024) for x in xs if x) + 2560
+  bk, bq, st = config.block_kv, config.block_q, config.num_stages
+  dkdv = r(_CONSUMERS * bk * hp * itemsize, _CONSUMERS * bk * hvp * itemsize,
+           st * bq * hp * itemsize, st * bq * hvp * itemsize, st * bq * 4,
+           st * bq * 4, interpret and _CONSUMERS * bk * bq * itemsize)
+  bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
+  dq = r(_CONSUMERS * bq * hp * itemsize, _CONSUMERS * bq * hvp * itemsize,
+         _CONSUMERS * bq * 4, _CONSUMERS * bq * 4, st * bk * hp * itemsize,
+         st * bk * hvp * itemsize, interpret and _CONSUMERS * bq * bk * itemsize)
+  return dkdv, dq
+
+
+def _products(pairs, shape):
+  """[a @ b for (a, b) in pairs] (SMEM refs) in fresh f32 accumulators, all
+  issued before the first is read (one wait)."""
+
+  def run(*acc_refs):
+    for acc_ref, (a, b) in zip(acc_refs, pairs):
+      plgpu.wgmma(acc_ref, a, b)
+    return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+  return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32) for _ in pairs])
+
+
+def _accumulate(acc, lhs, rhs, lhs_smem, interpret: bool):
+  """acc + lhs @ rhs: lhs 16-bit registers (WGMMA layout), rhs an SMEM ref.
+
+  The interpreter takes neither register operands nor initialised
+  accumulators: there lhs goes through the WG's SMEM tile and the product is
+  added in registers.
+  """
+  if interpret:
+    lhs_smem[...] = lhs
+    plgpu.commit_smem()
+    return acc + _products([(lhs_smem, rhs)], acc.shape)[0]
+
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, lhs, rhs)
+
+  return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def _bwd_probabilities(sp, qk, lse2, masked, rows, cols, q_lim, kv_lim):
+  """(p, tanh or None) from q.k, base-2 lse broadcast like qk, positions."""
+  raw = triton.raw_scale(sp)
+  tanh = None
+  if raw is not None:
+    p = jnp.exp2(qk * raw - lse2)
+  else:
+    z = qk * sp.scale
+    if sp.cap is not None:
+      tanh = jnp.tanh(z / sp.cap)
+      z = sp.cap * tanh
+    p = jnp.exp2(z * LOG2E - lse2)
+  if masked:
+    p = jnp.where(triton.positional(sp, rows, cols, q_lim, kv_lim), p, 0.0)
+  return p, tanh
+
+
+def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
+                 want_dv: bool, interpret: bool):
+  """dk, dv for 2 * bk keys of one (batch, kv head) (FlashAttention-2 Alg. 2,
+  key-major): WG 2 streams (q, do, lse, delta) tiles of the G query heads
+  and the query blocks that see the keys; WGs 0/1 keep their bk keys and
+  values in SMEM and dk, dv in registers."""
+  it = iter(refs)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+  q_len_ref = next(it) if sp.has_q_len else None
+  kv_len_ref = next(it) if sp.has_kv_len else None
+  dk_ref, dv_ref = next(it), next(it)
+  (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, t_smem, kv_ready,
+   ready, free) = it
+  dtype = q_ref.dtype
+  fuse_dkdv = k_smem.shape[-1] + v_smem.shape[-1] <= 128
+  b = lax.axis_index("batch")
+  kh = lax.axis_index("head")
+  wg = lax.axis_index("wg")
+  q_lim, kv_lim = _limits(sp, q_len_ref, kv_len_ref, b)
+  cta0 = lax.axis_index("kv") * (_CONSUMERS * bk)
+  # Query blocks seeing the keys; "full" ones have every row < q_lim seeing
+  # every key (see triton._query_blocks: the transposed ranges).
+  lo, _, _, hi = triton.blocks_seen(
+      cta0, _CONSUMERS * bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True)
+  per_head = hi - lo
+
+  def slot_of(step):
+    return lax.rem(step, jnp.int32(stages))
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    if not interpret:
+      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+    k0 = cta0 + wg * bk
+    segments = _clamp_ranges(triton.blocks_seen(
+        k0, bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True), lo, hi)
+    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    t_tile = t_smem.at[wg] if interpret else None
+    rows = (b, pl.ds(k0, bk), kh)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_tile, kv_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_tile, kv_ready.at[wg])
+    plgpu.barrier_wait(kv_ready.at[wg])
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
+
+    def step(i, carry, g, mode):
+      dk, dv = carry
+      slot = slot_of(g * per_head + i - lo)
+      plgpu.barrier_wait(ready.at[slot])
+      if mode != "skip":
+        q_t, do_t = q_smem.at[slot], do_smem.at[slot]
+        # Key-major blocks [bk, bq]: s^T = k q^T, dp^T = v do^T.
+        pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
+        prods = _products(pairs, (bk, bq))
+        lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
+        keys = k0 + plgpu.broadcasted_iota(
+            jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+        qrows = i * bq + plgpu.broadcasted_iota(
+            jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+        pt, tanh = _bwd_probabilities(
+            sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]),
+            mode == "masked", qrows, keys, q_lim, kv_lim)
+
+        def ds_t():  # ds^T = p^T (dp^T - D), times 1 - tanh^2 under a cap
+          delta = plgpu.load(delta_smem.at[slot], layout=col_layout)
+          dst = pt * (prods[1] - lax.broadcast_in_dim(delta, (bk, bq), [1]))
+          if tanh is not None:
+            dst = dst * (1.0 - tanh * tanh)
+          return dst.astype(dtype)
+
+        if want_dk and want_dv and not interpret and fuse_dkdv:
+          # dv += p^T do runs on the tensor cores while ds^T is computed;
+          # then dk += ds^T q, one wait for both. Faster at head dim 64,
+          # slower at 128 (register pressure; H200, docs/benchmarks.md).
+          def both(refs):
+            dv_ref, dk_ref = refs
+            plgpu.wgmma(dv_ref, pt.astype(dtype), do_t)
+            plgpu.wgmma(dk_ref, ds_t(), q_t)
+
+          dv, dk = pl.run_state(both)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+        else:
+          if want_dv:
+            dv = _accumulate(dv, pt.astype(dtype), do_t, t_tile, interpret)
+          if want_dk:
+            dk = _accumulate(dk, ds_t(), q_t, t_tile, interpret)
+      plgpu.barrier_arrive(free.at[slot])
+      return dk, dv
+
+    def head(g, carry):
+      for start, stop, mode in segments:
+        carry = lax.fori_loop(
+            start, stop, functools.partial(step, g=g, mode=mode), carry)
+      return carry
+
+    acc = lambda w: plgpu.layout_cast(jnp.zeros((bk, w), jnp.float32),
+                                      plgpu.Layout.WGMMA)
+    carry = (acc(k_tile.shape[1]) if want_dk else None,
+             acc(v_tile.shape[1]) if want_dv else None)
+    if sp.groups == 1:
+      dk, dv = head(jnp.int32(0), carry)
+    else:
+      dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(sp.groups), head, carry)
+    # The tiles are free: every wgmma reading them has been waited for.
+    if want_dk:
+      k_tile[...] = (dk * sp.scale).astype(dtype)
+    if want_dv:
+      v_tile[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    if want_dk:
+      plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[rows])
+    if want_dv:
+      plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    if not interpret:
+      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+    total = per_head * sp.groups
+
+    def issue(step, wait):
+      slot = slot_of(step)
+      i = lo + lax.rem(step, per_head)
+      n = kh * sp.groups + lax.div(step, per_head)
+      if wait:
+        plgpu.barrier_wait(free.at[slot])
+      rows = (b, pl.ds(i * bq, bq), n)
+      stats = (b, n, pl.ds(i * bq, bq))
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], ready.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], ready.at[slot])
+      plgpu.copy_gmem_to_smem(
+          delta_ref.at[stats], delta_smem.at[slot], ready.at[slot])
+
+    first = jnp.minimum(jnp.int32(stages), total)
+    pl.loop(jnp.int32(0), first)(lambda s: issue(s, False))
+    pl.loop(first, total)(lambda s: issue(s, True))
+    # The last phases of `free` (the interpreter checks every waiter saw them).
+    pl.loop(jnp.maximum(total - stages, 0), total)(
+        lambda s: plgpu.barrier_wait(free.at[slot_of(s)]))
+
+
+def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
+  """dq for 2 * bq query rows of one (batch, head): WG 2 streams the key and
+  value blocks the rows see (the forward's ring); WGs 0/1 recompute
+  p = exp(logits - lse) and ds = p (dp - D) for bq rows each, dq += ds k."""
+  it = iter(refs)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+  q_len_ref = next(it) if sp.has_q_len else None
+  kv_len_ref = next(it) if sp.has_kv_len else None
+  dq_ref = next(it)
+  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, t_smem, q_ready,
+   ready, free) = it
+  dtype = q_ref.dtype
+  b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
+      sp, q_len_ref, kv_len_ref, bq, bk)
+
+  def slot_of(j):
+    return lax.rem(j - lo, jnp.int32(stages))
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    if not interpret:
+      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+    r0 = cta0 + wg * bq
+    segments = _clamp_ranges(triton.blocks_seen(
+        r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
+    q_t, do_t = q_smem.at[wg], do_smem.at[wg]
+    t_tile = t_smem.at[wg] if interpret else None
+    rows = (b, pl.ds(r0, bq), n)
+    stats = (b, n, pl.ds(r0, bq))
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_t, q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_t, q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], q_ready.at[wg])
+    plgpu.barrier_wait(q_ready.at[wg])
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    lse2 = lax.broadcast_in_dim(
+        plgpu.load(lse_smem.at[wg], layout=row_layout), (bq, bk), [0])
+    delta = lax.broadcast_in_dim(
+        plgpu.load(delta_smem.at[wg], layout=row_layout), (bq, bk), [0])
+
+    def step(j, dq, mode):
+      slot = slot_of(j)
+      plgpu.barrier_wait(ready.at[slot])
+      if mode != "skip":
+        k_t, v_t = k_smem.at[slot], v_smem.at[slot]
+        qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], (bq, bk))
+        qrows = r0 + plgpu.broadcasted_iota(
+            jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+        keys = j * bk + plgpu.broadcasted_iota(
+            jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+        p, tanh = _bwd_probabilities(sp, qk, lse2, mode == "masked", qrows,
+                                     keys, q_lim, kv_lim)
+        ds = p * (dp - delta)
+        if tanh is not None:
+          ds = ds * (1.0 - tanh * tanh)
+        dq = _accumulate(dq, ds.astype(dtype), k_t, t_tile, interpret)
+      plgpu.barrier_arrive(free.at[slot])
+      return dq
+
+    dq = plgpu.layout_cast(jnp.zeros(q_t.shape, jnp.float32), plgpu.Layout.WGMMA)
+    for start, stop, mode in segments:
+      dq = lax.fori_loop(start, stop, functools.partial(step, mode=mode), dq)
+    # Rows >= q_lim (lse = +inf there) get 0.
+    qrows = r0 + plgpu.broadcasted_iota(
+        jnp.int32, dq.shape, 0, layout=plgpu.Layout.WGMMA)
+    q_t[...] = jnp.where(qrows < q_lim, dq * sp.scale, 0.0).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_t, dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    if not interpret:
+      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+
+    def issue(j, wait):
+      slot = slot_of(j)
+      if wait:
+        plgpu.barrier_wait(free.at[slot])
+      rows = (b, pl.ds(j * bk, bk), kh)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], ready.at[slot])
+
+    first = jnp.minimum(lo + stages, hi)
+    pl.loop(lo, first)(lambda j: issue(j, False))
+    pl.loop(first, hi)(lambda j: issue(j, True))
+    pl.loop(jnp.maximum(lo, hi - stages), hi)(
+        lambda j: plgpu.barrier_wait(free.at[slot_of(j)]))
+
+
+def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpConfig):
+  """Gradients {query, key, value} from the forward's lse (f32 [B, N, T])."""
+  sp = triton.Spec.of(args)
+  q, k, v = args["query"], args["key"], args["value"]
+  bsz, t, n, h = q.shape
+  s, kv_heads, hv = k.shape[1], k.shape[2], v.shape[3]
+  hp, hvp = _round_up(h, 64), _round_up(hv, 64)
+  dtype = q.dtype
+  interpret = pallas_mosaic.INTERPRET.value
+  # D = rowsum(do * o) and lse in base 2, f32 [B, N, T]; rows past the query
+  # length get lse = +inf, so p = 0 there in every block.
+  delta = jnp.swapaxes(
+      jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
+  lse2 = residuals["lse"].astype(jnp.float32) * LOG2E
+  q_len, kv_len = args["query_seq_lengths"], args["key_value_seq_lengths"]
+  if q_len is not None:
+    lse2 = jnp.where(jnp.arange(t) < q_len[:, None, None], lse2, jnp.inf)
+  # Row counts: multiples of 8 (TMA into 8-row tiles), at least one block.
+  tq = max(_CONSUMERS * config.dq_block_q, config.block_q, _round_up(t, 8))
+  tk = max(_CONSUMERS * config.block_kv, config.dq_block_kv, _round_up(s, 8))
+  q = _pad(_pad(q, 3, hp), 1, tq)
+  do = _pad(_pad(dout.astype(dtype), 3, hvp), 1, tq)
+  k = _pad(_pad(k, 3, hp), 1, tk)
+  v = _pad(_pad(v, 3, hvp), 1, tk)
+  lse2, delta = _pad(lse2, 2, tq), _pad(delta, 2, tq)
+  lengths = [x.astype(jnp.int32) for x in (q_len, kv_len) if x is not None]
+  inputs = (q, k, v, do, lse2, delta, *lengths)
+  common = dict(num_threads=_CONSUMERS + 1, thread_name="wg",
+                compiler_params=plgpu.CompilerParams(approx_math=True),
+                interpret=pallas_mosaic.interpret_params())
+
+  bk, bq, st = config.block_kv, config.block_q, config.num_stages
+  grads = {}
+  for want_dk, want_dv in dkdv_passes(config, hp, hvp):
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkdv_kernel, sp=sp, bk=bk, bq=bq, stages=st,
+                          want_dk=want_dk, want_dv=want_dv, interpret=interpret),
+        out_type=[
+            jax.ShapeDtypeStruct((bsz, tk, kv_heads, hp), dtype) if want_dk else None,
+            jax.ShapeDtypeStruct((bsz, tk, kv_heads, hvp), dtype) if want_dv else None,
+        ],
+        scratch_types=[
+            plgpu.SMEM((_CONSUMERS, bk, hp), dtype),
+            plgpu.SMEM((_CONSUMERS, bk, hvp), dtype),
+            plgpu.SMEM((st, bq, hp), dtype),
+            plgpu.SMEM((st, bq, hvp), dtype),
+            plgpu.SMEM((st, bq), jnp.float32),
+            plgpu.SMEM((st, bq), jnp.float32),
+            plgpu.SMEM((_CONSUMERS, bk, bq), dtype) if interpret else None,
+            plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),  # kv_ready
+            plgpu.Barrier(num_arrivals=4, num_barriers=st),  # ready
+            plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
+        ],
+        # Key tiles vary fastest: CTAs in flight share the q/do tiles in L2.
+        grid=(bsz, kv_heads, pl.cdiv(tk, _CONSUMERS * bk)),
+        grid_names=("batch", "head", "kv"),
+        kernel_name="tokamax_attention_bwd_dkdv_mosaic",
+        **common,
+    )(*inputs)
+    if want_dk:
+      grads["key"] = dk[:, :s, :, :h]
+    if want_dv:
+      grads["value"] = dv[:, :s, :, :hv]
+
+  bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
+  dq = plgpu.kernel(
+      functools.partial(_dq_kernel, sp=sp, bq=bq, bk=bk, stages=st,
+                        interpret=interpret),
+      out_type=jax.ShapeDtypeStruct((bsz, tq, n, hp), dtype),
+      scratch_types=[
+          plgpu.SMEM((_CONSUMERS, bq, hp), dtype),
+          plgpu.SMEM((_CONSUMERS, bq, hvp), dtype),
+          plgpu.SMEM((_CONSUMERS, bq), jnp.float32),
+          plgpu.SMEM((_CONSUMERS, bq), jnp.float32),
+          plgpu.SMEM((st, bk, hp), dtype),
+          plgpu.SMEM((st, bk, hvp), dtype),
+          plgpu.SMEM((_CONSUMERS, bq, bk), dtype) if interpret else None,
+          plgpu.Barrier(num_arrivals=4, num_barriers=_CONSUMERS),  # q_ready
+          plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
+          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
+      ],
+      grid=(bsz, n, pl.cdiv(tq, _CONSUMERS * bq)),
+      grid_names=("batch", "head", "q"),
+      kernel_name="tokamax_attention_bwd_dq_mosaic",
+      **common,
+  )(*inputs)
+  grads["query"] = dq[:, :t, :, :h]
+  # Inside shard_map the kernels' outputs carry no mesh axes: declare that
+  # each gradient varies like its primal (a custom VJP must match types).
+  union = frozenset().union(*(op_lib.varying(x) for x in inputs))
+  return {
+      name: lax.pcast(g, tuple(sorted(union - op_lib.varying(g))), to="varying")
+      if union - op_lib.varying(g) else g
+      for name, g in grads.items()
+  }
+
+
 # --- configs -----------------------------------------------------------------
 
 
@@ -434,6 +891,50 @@ def search_space(t: int, s: int, hp: int, hvp: int,
   return configs
 
 
+def _vjp_fits(c: MosaicAttentionVjpConfig, hp: int, hvp: int, itemsize: int) -> bool:
+  interpret = pallas_mosaic.INTERPRET.value
+  return max(vjp_smem_bytes(c, hp, hvp, itemsize, interpret)) <= pallas_mosaic.SMEM_BYTES
+
+
+def _vjp_regs_ok(c: MosaicAttentionVjpConfig, hp: int, hvp: int) -> bool:
+  """f32 values per consumer thread: accumulators plus the two [M, N] blocks
+  (s and dp) of each kernel, within what 232 registers hold."""
+  dkdv_acc = max(c.block_kv * (w_dk * hp + w_dv * hvp) // 128
+                 for w_dk, w_dv in dkdv_passes(c, hp, hvp))
+  dkdv = dkdv_acc + 2 * c.block_kv * c.block_q // 128
+  dq = c.dq_block_q * hp // 128 + 2 * c.dq_block_q * c.dq_block_kv // 128
+  return max(dkdv, dq) <= 192
+
+
+def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int,
+                         itemsize: int) -> MosaicAttentionVjpConfig:
+  """64-row tiles (dq: 128-key steps at head dim 64) with the deepest ring
+  (up to 2) that fits shared memory: the fastest of the H200 sweep
+  (docs/benchmarks.md)."""
+  del t, s
+  dq_bk = 128 if hp + hvp <= 128 else 64
+  for stages in (2, 1):
+    c = MosaicAttentionVjpConfig(num_stages=stages, dq_num_stages=stages,
+                                 dq_block_kv=dq_bk)
+    if _vjp_fits(c, hp, hvp, itemsize):
+      return c
+  return MosaicAttentionVjpConfig(num_stages=1, dq_num_stages=1)
+
+
+def vjp_search_space(t: int, s: int, hp: int, hvp: int,
+                     itemsize: int) -> set[MosaicAttentionVjpConfig]:
+  """Rings of 2-3 stages (1 was 1.4x slower on the H200) and the tiles that
+  fit the registers; the heuristic config (1 stage at head dim 256) too."""
+  configs = {vjp_heuristic_config(t, s, hp, hvp, itemsize)}
+  for bk, bq, st, dbk, dst in itertools.product(
+      (64, 128), (64, 128), (2, 3), (64, 128), (2, 3)):
+    c = MosaicAttentionVjpConfig(block_kv=bk, block_q=bq, num_stages=st,
+                                 dq_block_q=64, dq_block_kv=dbk, dq_num_stages=dst)
+    if _vjp_regs_ok(c, hp, hvp) and _vjp_fits(c, hp, hvp, itemsize):
+      configs.add(c)
+  return configs
+
+
 # --- ops ---------------------------------------------------------------------
 
 
@@ -457,25 +958,45 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
     raise op.unsupported("the head dims do not fit in shared memory.")
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicDotProductAttention(base.DotProductAttention):
-  """FlashAttention-3 forward in Pallas:Mosaic GPU (Hopper).
-
-  Its VJP is the "triton" FlashAttention-2 backward, fed by the same lse
-  residual (no Mosaic backward yet).
-  """
-
-  implementation = "mosaic"
-  config_cls = MosaicAttentionConfig
-  vjp: op_lib.Op | None = dataclasses.field(
-      default_factory=triton.TritonDotProductAttentionVjp
-  )
+class _MosaicAttentionMixin:
+  """Support checks (shared by the forward and the VJP)."""
 
   def supported_on(self, device) -> bool:
     return pallas_mosaic.supported_on(device)
 
   def check_supported(self, ba):
     check_supported(self, ba)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDotProductAttentionVjp(_MosaicAttentionMixin, base.DotProductAttentionVjp):
+  """dk/dv and dq kernels in Pallas:Mosaic GPU from the lse residual."""
+
+  implementation = "mosaic"
+  config_cls = MosaicAttentionVjpConfig
+
+  def _get_heuristics_config(self, ba):
+    return vjp_heuristic_config(*_shape(ba))
+
+  def _get_autotuning_configs(self, ba):
+    return vjp_search_space(*_shape(ba))
+
+  def _fwd(self, *, residuals, out, dout, config, return_residuals, **args):
+    del return_residuals
+    if not _vjp_fits(config, *_shape_of_args(args)):
+      raise self.unsupported(f"config {config} exceeds shared memory.")
+    return attention_backward(args, residuals, out, dout, config), None
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDotProductAttention(_MosaicAttentionMixin, base.DotProductAttention):
+  """FlashAttention-3 forward in Pallas:Mosaic GPU (Hopper), Mosaic VJP."""
+
+  implementation = "mosaic"
+  config_cls = MosaicAttentionConfig
+  vjp: op_lib.Op | None = dataclasses.field(
+      default_factory=MosaicDotProductAttentionVjp
+  )
 
   def _get_heuristics_config(self, ba):
     return heuristic_config(*_shape(ba))
