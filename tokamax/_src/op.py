@@ -347,6 +347,12 @@ def varying(a) -> frozenset:
   return frozenset(mat.varying) if mat is not None else frozenset()
 
 
+def vary_over(a, axes: frozenset):
+  """`a` marked varying over the mesh axes `axes` too (inside shard_map)."""
+  missing = tuple(sorted(axes - varying(a)))
+  return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
 def _match_vma(arrays: dict[str, Any]) -> dict[str, Any]:
   """Inside shard_map, makes every input vary over the same mesh axes.
 
@@ -359,12 +365,7 @@ def _match_vma(arrays: dict[str, Any]) -> dict[str, Any]:
   union = frozenset().union(*vmas)
   if not union:
     return arrays
-
-  def cast(a):
-    missing = tuple(sorted(union - varying(a)))
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-  return jax.tree.map(cast, arrays)
+  return jax.tree.map(lambda a: vary_over(a, union), arrays)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,11 +145,7 @@ def pallas_call(kernel, *, out_shape, grid, num_warps, num_stages=None, name,
     shapes = list(out_shape)
     if jax_config._check_vma.value:
       union = frozenset().union(*(op_lib.varying(a) for a in inputs))
-      inputs = [
-          jax.lax.pcast(a, tuple(sorted(union - op_lib.varying(a))), to="varying")
-          if union - op_lib.varying(a) else a
-          for a in inputs
-      ]
+      inputs = [op_lib.vary_over(a, union) for a in inputs]
       mat = jax.sharding.ManualAxisType(varying=union)
       shapes = [
           jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat)

@@ -846,11 +846,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   # Inside shard_map the kernels' outputs carry no mesh axes: declare that
   # each gradient varies like its primal (a custom VJP must match types).
   union = frozenset().union(*(op_lib.varying(x) for x in inputs))
-  return {
-      name: lax.pcast(g, tuple(sorted(union - op_lib.varying(g))), to="varying")
-      if union - op_lib.varying(g) else g
-      for name, g in grads.items()
-  }
+  return {name: op_lib.vary_over(g, union) for name, g in grads.items()}
 
 
 # --- configs -----------------------------------------------------------------
