@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|mosaic_bwd|kernels|gpu_tests|ship_mosaic|final|ship|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|mosaic_bwd|mosaic_bias|kernels|gpu_tests|ship_mosaic|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -79,6 +79,14 @@ if [[ $what == mosaic_bwd ]]; then
     -rf --tb=line -m gpu tests/test_attention.py -k "${TESTS:-Cudnn or Mosaic}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   timeout ${SWEEP_S:-240} python3 benchmarks/attention_mosaic_vjp_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/sweep.log" | tail -80
+  exit
+fi
+if [[ $what == mosaic_bias ]]; then
+  # Mosaic GPU tests (TESTS = -k filter), then the bias/mask benchmark.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_S:-300} python3 -m pytest -q -n 10 -p no:cacheprovider \
+    -rf --tb=line -m gpu tests/test_attention.py -k "${TESTS:-Mosaic}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout ${BENCH_S:-240} python3 benchmarks/attention_bias_mask.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/bench.log" | tail -40
   exit
 fi
 if [[ $what == mosaic ]]; then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import hypothesis
 import hypothesis.strategies as st
@@ -219,6 +220,25 @@ class AttentionTestBase:
           grads[name], ref_grads[name], reference.TOLERANCE[jnp.dtype(dtype)][1],
           name,
       )
+
+  def test_bias_without_its_gradient(self):
+    """Gradients of q, k, v under a bias that is not differentiated: right,
+    and the kernels with a dbias output ("triton", "mosaic") skip it."""
+    # bias [1, N, T, S]: a dbias buffer is [B, N, T, S] (f32, summed over B).
+    args, _, ct_key = make_inputs(Case(bias=(1, 2, 40, 40)), self.dtypes[0], self.seed + 4)
+    bias = args.pop("bias")
+    ct = jax.random.normal(ct_key, args["query"].shape[:-1] + (args["value"].shape[-1],))
+    loss = lambda d, bias: jnp.sum(self.attention(**d, bias=bias).astype(F32) * ct)
+    grads = jax.jit(jax.grad(loss))(args, bias)
+    ref_grads = jax.grad(lambda d: jnp.sum(reference.attention(**d, bias=bias) * ct))(
+        {n: reference.f64(a) for n, a in args.items()})
+    tol = reference.TOLERANCE[jnp.dtype(self.dtypes[0])][1]
+    for name in args:
+      reference.assert_close(grads[name], ref_grads[name], tol, f"d{name}")
+    if self.implementation in ("triton", "mosaic"):
+      dbias = re.compile(r"f32\[2,2,\d+,\d+\]")  # [B, N, T, S] f32 buffers
+      assert not dbias.search(str(jax.make_jaxpr(jax.grad(loss))(args, bias)))
+      assert dbias.search(str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(args, bias)))
 
   fresh_feature = "combined"  # the widest feature set the implementation runs
 
@@ -540,11 +560,6 @@ from tokamax._src import pallas_mosaic  # noqa: E402
 from tokamax.ops.attention import mosaic as mosaic_attn  # noqa: E402
 
 MOSAIC_TARGET = "mosaic_gpu_v2"
-# Bias and mask tiles are not in the Mosaic kernel yet (issue #5).
-MOSAIC_UNSUPPORTED = frozenset({
-    "bias_full", "bias_broadcast", "bias_rank2", "mask", "mask_broadcast",
-    "combined", "combined_no_batch",
-})
 
 
 def _mosaic_op(**config):
@@ -567,8 +582,6 @@ class TestMosaicInterpret(_MosaicInterpretMixin, AttentionTestBase):
 
   implementation = "mosaic"
   dtypes = (BF16, F16)
-  unsupported = MOSAIC_UNSUPPORTED
-  fresh_feature = "combined_positional"
 
   def test_head_dim_too_large_refused(self):
     q = jax.ShapeDtypeStruct((1, 16, 1, 264), BF16)
@@ -590,13 +603,14 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
   implementation = "mosaic"
   op = _mosaic_op(block_q=64, block_kv=64, num_stages=2)
   dtypes = (BF16,)
-  unsupported = MOSAIC_UNSUPPORTED
-  fresh_feature = "combined_positional"
 
   @pytest.mark.parametrize("feature", ["causal", "window_left_right", "kv_lens",
-                                       "combined_positional", "t_ne_s_causal"])
+                                       "combined_positional", "t_ne_s_causal",
+                                       "combined", "bias_broadcast"])
   def test_feature(self, feature):
     c = dataclasses.replace(FEATURES[feature], t=300, s=260)
+    if feature == "bias_broadcast":  # [1, N, 1, S]: one row for every query
+      c = dataclasses.replace(c, bias=(1, c.n, 1, c.s))
     self.check(c, BF16, feature)
 
   @hypothesis.settings(max_examples=6, deadline=None)
@@ -624,6 +638,9 @@ MOSAIC_LOWER_CASES = {
     "H256_window_cap": ((2, 1000, 1100, 4, 2, 256, 256),
                         dict(local_window_size=(100, 10), logits_soft_cap=20.0)),
     "H80_Hv48_lengths": ((2, 777, 301, 4, 2, 80, 48), "lengths"),
+    # Bias [1, N, T, S] f32 and mask [B, 1, T, S]: tiles read from memory.
+    "seed_bias_mask_causal": ((32, 2048, 2048, 16, 16, 64, 64), "bias_mask"),
+    "H256_bias_mask": ((2, 1000, 1100, 4, 2, 256, 256), "bias_mask"),
 }
 
 
@@ -639,7 +656,10 @@ def test_mosaic_lowers_for_cuda(name):
     arrays.update(query_seq_lengths=spec((b,), jnp.int32),
                   key_value_seq_lengths=spec((b,), jnp.int32))
     kw = dict(is_causal=True)
-  diff = {k: arrays[k] for k in ("query", "key", "value")}
+  elif kw == "bias_mask":
+    arrays.update(bias=spec((1, n, t, s), F32), mask=spec((b, 1, t, s), jnp.bool_))
+    kw = dict(is_causal=True)
+  diff = {k: arrays[k] for k in ("query", "key", "value", "bias") if k in arrays}
   rest = {k: v for k, v in arrays.items() if k not in diff}
   f = lambda d, r: tokamax.dot_product_attention(**d, **r, **kw, implementation="mosaic")
   loss = lambda d, r: jnp.sum(f(d, r).astype(F32))
@@ -667,17 +687,18 @@ def test_mosaic_refusals():
   q = jax.ShapeDtypeStruct((1, 128, 2, 64), BF16)
   mask = jax.ShapeDtypeStruct((128, 128), jnp.bool_)
   with tokamax.config.cross_compile("NVIDIA H200"):
-    with pytest.raises(NotImplementedError, match="mosaic.*mask is not implemented"):
-      jax.eval_shape(lambda q, m: tokamax.dot_product_attention(
-          q, q, q, mask=m, implementation="mosaic"), q, mask)
     q32 = jax.ShapeDtypeStruct((1, 128, 2, 64), F32)
     with pytest.raises(NotImplementedError, match="mosaic.*bf16 or f16"):
       jax.eval_shape(lambda q: tokamax.dot_product_attention(
           q, q, q, implementation="mosaic"), q32)
-    # implementation=None takes another kernel for what "mosaic" refuses.
+    # implementation=None takes another kernel for what "mosaic" refuses,
+    # and "mosaic" for what cuDNN refuses (a soft cap) and mosaic runs.
+    text = _lower_text(lambda q: tokamax.dot_product_attention(
+        q, q, q, logits_soft_cap=5.0), q32)
+    assert MOSAIC_TARGET not in text and TRITON_TARGET in text
     text = _lower_text(lambda q, m: tokamax.dot_product_attention(
         q, q, q, mask=m, logits_soft_cap=5.0), q, mask)
-    assert MOSAIC_TARGET not in text and TRITON_TARGET in text
+    assert MOSAIC_TARGET in text and TRITON_TARGET not in text
   for kind in ("NVIDIA A100", "NVIDIA B200"):
     with tokamax.config.cross_compile(kind):
       with pytest.raises(NotImplementedError, match="mosaic.*Hopper"):
@@ -730,8 +751,6 @@ class TestMosaicGpu(AttentionTestBase):
 
   implementation = "mosaic"
   dtypes = (BF16, F16)
-  unsupported = MOSAIC_UNSUPPORTED
-  fresh_feature = "combined_positional"
 
   @pytest.mark.parametrize("causal", [False, True])
   @pytest.mark.parametrize("shape", [(1, 4096, 16, 16, 128), (1, 1024, 32, 8, 128),
@@ -761,6 +780,13 @@ class TestMosaicGpu(AttentionTestBase):
     self.check(Case(batch=(1,), t=1000, s=1100, n=4, kh=2, h=128, q_lens=True,
                     kv_lens=True, kwargs=(("is_causal", True),
                                           ("local_window_size", (300, None)))), BF16)
+
+  @pytest.mark.parametrize("h", [64, 128])
+  def test_real_size_bias_mask(self, h):
+    """Bias [1, N, T, S] (with its gradient) and mask [B, 1, T, S], causal."""
+    self.check(Case(batch=(2,), t=2048, s=2048, n=4, kh=2, h=h,
+                    bias=(1, 4, 2048, 2048), mask=(2, 1, 2048, 2048),
+                    kwargs=(("is_causal", True),)), BF16)
 
   def test_deterministic(self):
     """Forward and gradients are bitwise equal run to run (no atomics)."""

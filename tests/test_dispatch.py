@@ -252,3 +252,23 @@ def test_seed_flow_runs_on_this_machine():
     assert "implementation='mosaic' cannot run here" in text
     # The seed's explicit xla_chunked call is kept as written.
     assert "'xla_chunked'" in text.split("implementations used:")[1]
+
+
+def test_mask_at_head_dim_128_prefers_mosaic_over_cudnn():
+  """Measured faster on the H200 (docs/benchmarks.md); at 64 cuDNN stays."""
+  from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
+  op = cudnn.CudnnDotProductAttention()
+  mask = jnp.ones((2, 1, 256, 256), jnp.bool_)
+  q64, q128 = (jnp.ones((2, 256, 4, h), jnp.bfloat16) for h in (64, 128))
+  bias = jnp.ones((1, 4, 256, 256), jnp.bfloat16)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    assert not op.preferred(op.bind(q128, q128, q128, mask=mask))
+    assert op.preferred(op.bind(q64, q64, q64, mask=mask))
+    assert op.preferred(op.bind(q128, q128, q128, mask=mask, bias=bias))
+    assert op.preferred(op.bind(q128, q128, q128))
+    ba = dispatch.select("dot_product_attention", None, (q128, q128, q128),
+                         dict(mask=mask))
+    assert ba.op.implementation == "mosaic"
+  # Where "mosaic" cannot run (here: no Hopper GPU), cuDNN keeps the call.
+  with tokamax.config.cross_compile("NVIDIA A100"):
+    assert op.preferred(op.bind(q128, q128, q128, mask=mask))

@@ -209,10 +209,14 @@ class Op(abc.ABC):
     config: a pinned config; None resolves one per call (see resolve_config).
     vjp: the op computing gradients from this op's residuals; None means JAX
       differentiates `_fwd` itself.
+    skip_grads: for a VJP op, the forward's arrays that are not being
+      differentiated (set per call by the forward's custom VJP); the op may
+      skip computing their gradients and return None for them.
   """
 
   config: Any = None
   vjp: "Op | None" = None
+  skip_grads: frozenset[str] = frozenset()
 
   op_name: ClassVar[str] = "op"
   implementation: ClassVar[str] = "xla"
@@ -309,6 +313,9 @@ class Op(abc.ABC):
       return (out, residuals) if return_residuals else out
 
     vjp_op = self.vjp
+    # Which arrays are being differentiated, as run_fwd (always traced before
+    # run_bwd) sees them: symbolic zeros mark the others.
+    perturbed: dict[str, bool] = {}
 
     @jax.custom_vjp
     def run(arrays):
@@ -321,7 +328,13 @@ class Op(abc.ABC):
     # fallback) gets none, and the forward runs without saving them.
     wants_residuals = vjp_op.residuals_kind == self.residuals_kind
 
-    def run_fwd(arrays):
+    def run_fwd(primals):
+      arrays = jax.custom_derivatives.custom_vjp_primal_tree_values(primals)
+      perturbed.update({
+          n: any(p.perturbed for p in jax.tree.leaves(
+              x, is_leaf=lambda y: isinstance(y, jax.custom_derivatives.CustomVJPPrimal)))
+          for n, x in primals.items()
+      })
       # Checked when the gradient is traced, before any kernel runs.
       vjp_op.check_supported(
           BoundArguments(op=self, arguments={**arrays, **static})
@@ -333,11 +346,14 @@ class Op(abc.ABC):
 
     def run_bwd(saved, dout):
       residuals, out, arrays = saved
-      vjp_ba = vjp_op.bind(residuals, out, dout, **arrays, **static)
-      grads = vjp_op.call_bound(vjp_ba)
-      return ({n: grads.get(n) for n in arrays},)
+      if isinstance(dout, jax.custom_derivatives.SymbolicZero):
+        return ({n: None for n in arrays},)
+      skip = frozenset(n for n, p in perturbed.items() if not p)
+      op = dataclasses.replace(vjp_op, skip_grads=skip) if skip else vjp_op
+      grads = op.call_bound(op.bind(residuals, out, dout, **arrays, **static))
+      return ({n: None if n in skip else grads.get(n) for n in arrays},)
 
-    run.defvjp(run_fwd, run_bwd)
+    run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
     return run(_match_vma(ba.arrays))
 
 

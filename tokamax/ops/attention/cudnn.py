@@ -150,6 +150,20 @@ class CudnnDotProductAttention(base.DotProductAttention):
     except Exception as e:  # jax.nn raises ValueError/RuntimeError.
       raise self.unsupported(f"jax.nn refused the call: {e}") from e
 
+  def preferred(self, ba):
+    # With a bool mask (no bias) at head dims >= 128 "mosaic" was faster on
+    # the H200, forward 1.38x and forward+backward 1.15x (docs/benchmarks.md);
+    # step aside for it where it runs. At head dim 64 they tie.
+    args = ba.arguments
+    if args["mask"] is None or args["bias"] is not None or args["query"].shape[3] < 128:
+      return True
+    from tokamax.ops.attention import mosaic  # pylint: disable=g-import-not-at-top
+    try:
+      mosaic.check_supported(self, ba)
+    except NotImplementedError:
+      return True
+    return False
+
   def _fwd(self, *, config, return_residuals, **args):
     del config
     f = _jax_nn_function(args)

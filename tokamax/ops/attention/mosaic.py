@@ -162,6 +162,62 @@ def _clamp_ranges(wg_ranges, lo, hi):
           (c_w, hi_w, "masked"), (hi_w, hi, "skip"))
 
 
+def _ts_operand(x, t: int, s: int, rows: int, cols: int, transpose=False):
+  """A bias or mask [b, n, t|1, s|1] as the kernels read it: broadcast to
+  [b, n, t, s], zero-padded to at least [rows, cols] (the tiles are read
+  straight from global memory, without bounds checks), a mask as int8 (0 =
+  hidden), [b, n, cols, rows] if `transpose` (the key-major dk/dv kernel)."""
+  if x is None:
+    return None
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.int8)
+  x = jnp.broadcast_to(x, (*x.shape[:2], t, s))
+  x = _pad(_pad(x, 2, rows), 3, cols)
+  return jnp.swapaxes(x, 2, 3) if transpose else x
+
+
+def _ts_tile(ref, dims, b, n, r0, c0, shape):
+  """Tile [R, C] at (r0, c0) of a `_ts_operand` ref in registers (WGMMA
+  layout), loaded straight from global memory; None without the operand."""
+  if ref is None:
+    return None
+  idx = (b if dims[0] else 0, n if dims[1] else 0, pl.ds(r0, shape[0]),
+         pl.ds(c0, shape[1]))
+  return plgpu.load(ref.at[idx], layout=plgpu.Layout.WGMMA, optimized=False)
+
+
+def _tile_loader(sp, bias_ref, mask_ref, b, r0, block: int, last: int, shape):
+  """load(n, i, ahead=0) -> (bias, mask) tiles (None where absent) of head n
+  at (r0, (i + ahead) * block) of the `_ts_operand`s, the block clamped to
+  `last`.
+
+  The kernels load a step's tiles one step ahead and hold them in registers
+  (the carry), so the global-memory latency hides behind a whole step: 1.1-
+  1.2x faster forward than loading them in their own step (H200,
+  docs/benchmarks.md). The prefetch past the last block stays in bounds."""
+
+  def load(n, i, ahead: int = 0):  # block i + ahead
+    if bias_ref is None and mask_ref is None:
+      return None, None
+    c0 = jnp.minimum(i + ahead if ahead else i, last) * block
+    return tuple(_ts_tile(ref, dims, b, n, r0, c0, shape) for ref, dims in
+                 ((bias_ref, sp.bias_dims), (mask_ref, sp.mask_dims)))
+
+  return load
+
+
+def _visible(sp, positions, q_lim, kv_lim, mask):
+  """Bool tile of the visible (row, key) pairs, or None if all are: the
+  positional rules where `positions` = (rows, keys) is given ("masked"
+  blocks) and the bool mask tile everywhere."""
+  vis = None
+  if positions is not None:
+    vis = triton.positional(sp, *positions, q_lim, kv_lim)
+  if mask is not None:
+    vis = (mask != 0) if vis is None else vis & (mask != 0)
+  return vis
+
+
 # --- the kernel ------------------------------------------------------------------
 
 
@@ -169,6 +225,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
                 save_lse: bool, interpret: bool):
   it = iter(refs)
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
+  bias_ref = next(it) if sp.bias_dims is not None else None
+  mask_ref = next(it) if sp.mask_dims is not None else None
   q_len_ref = next(it) if sp.has_q_len else None
   kv_len_ref = next(it) if sp.has_kv_len else None
   o_ref, lse_ref = next(it), next(it)
@@ -207,21 +265,27 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     acc = plgpu.layout_cast(jnp.zeros((bq, hvp), jnp.float32), plgpu.Layout.WGMMA)
     raw = triton.raw_scale(sp)
 
-    def logits_and_max(qk, j, m, masked):
+    def logits_and_max(qk, j, m, masked, bias, mask):
       """Base-2 logits (or raw q.k when `raw`) and the new running max."""
       if raw is None:
         z = qk * sp.scale
+        if bias is not None:
+          z = z + bias.astype(jnp.float32)
         if sp.cap is not None:
           z = sp.cap * jnp.tanh(z / sp.cap)
         z = z * LOG2E
       else:
         z = qk
+      positions = None
       if masked:
-        rows = r0 + plgpu.broadcasted_iota(
-            jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
-        cols = j * bk + plgpu.broadcasted_iota(
-            jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-        z = jnp.where(triton.positional(sp, rows, cols, q_lim, kv_lim), z, -jnp.inf)
+        positions = (
+            r0 + plgpu.broadcasted_iota(
+                jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA),
+            j * bk + plgpu.broadcasted_iota(
+                jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA))
+      vis = _visible(sp, positions, q_lim, kv_lim, mask)
+      if vis is not None:
+        z = jnp.where(vis, z, -jnp.inf)
       z_max = z.max(axis=1)
       if raw is not None:
         z_max = z_max * raw
@@ -238,25 +302,32 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_wait(sched)  # the tensor cores are ours again
 
+    load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
+                              pl.cdiv(sp.s, bk) - 1, (bq, bk))
+
     def step(j, carry, mode):
-      m, l, acc = carry
+      m, l, acc, tiles = carry
       slot = slot_of(j)
       if mode == "skip":  # a block only the other consumer sees
+        tiles = load_tiles(n, j, 1)
         plgpu.barrier_arrive(k_free.at[slot])
         schedule()
         end_softmax(slot)
         wait_next_k(j)
         plgpu.barrier_arrive(v_free.at[slot])
-        return m, l, acc
+        return m, l, acc, tiles
 
       def qk_product(acc_ref):
         plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
+        # The next step's bias/mask tiles load meanwhile.
+        nxt = load_tiles(n, j, 1)
         schedule()  # the other consumer's softmax runs meanwhile
-        return acc_ref[...]
+        return acc_ref[...], nxt
 
-      qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+      qk, nxt = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+      bias, mask = tiles
       plgpu.barrier_arrive(k_free.at[slot])
-      z, m_new = logits_and_max(qk, j, m, mode == "masked")
+      z, m_new = logits_and_max(qk, j, m, mode == "masked", bias, mask)
       m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
       p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
       alpha = jnp.exp2(m - m_new)
@@ -291,9 +362,9 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
 
         acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
-      return m_new, l, acc
+      return m_new, l, acc, nxt
 
-    carry = (m, l, acc)
+    carry = (m, l, acc, load_tiles(n, lo))
 
     @pl.when(lo < hi)
     def _():
@@ -303,7 +374,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     for start, stop, mode in segments:
       carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
     pl.when(wg == 0)(schedule)
-    m, l, acc = carry
+    m, l, acc, _ = carry
 
     # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
     seen = l > 0
@@ -392,6 +463,9 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       x.astype(jnp.int32) for x in
       (args["query_seq_lengths"], args["key_value_seq_lengths"]) if x is not None
   ]
+  # Bias/mask tiles: rows up to the last CTA's, keys up to the last block's.
+  tiles = [_ts_operand(args[name], t, sp.s, nq * cta_rows, _round_up(sp.s, bk))
+           for name in ("bias", "mask") if args[name] is not None]
   out_type = [
       jax.ShapeDtypeStruct((bsz, tq, n, hvp), dtype),
       jax.ShapeDtypeStruct((bsz, n, nq * cta_rows), jnp.float32)
@@ -413,7 +487,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       interpret=pallas_mosaic.interpret_params(),
       kernel_name="tokamax_attention_fwd_mosaic",
   )
-  out, lse = kernel(q, k, v, *lengths)
+  out, lse = kernel(q, k, v, *tiles, *lengths)
   out = out[:, :t, :, :hv]
   if return_residuals:
     lse = lse[:, :, :t]
@@ -508,20 +582,24 @@ def _accumulate(acc, lhs, rhs, lhs_smem, interpret: bool):
   return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
-def _bwd_probabilities(sp, qk, lse2, masked, rows, cols, q_lim, kv_lim):
-  """(p, tanh or None) from q.k, base-2 lse broadcast like qk, positions."""
+def _bwd_probabilities(sp, qk, lse2, positions, q_lim, kv_lim, bias, mask):
+  """(p, tanh or None) from q.k, the base-2 lse broadcast like qk, bias and
+  mask tiles (or None) oriented like qk; see `_visible` for `positions`."""
   raw = triton.raw_scale(sp)
   tanh = None
   if raw is not None:
     p = jnp.exp2(qk * raw - lse2)
   else:
     z = qk * sp.scale
+    if bias is not None:
+      z = z + bias.astype(jnp.float32)
     if sp.cap is not None:
       tanh = jnp.tanh(z / sp.cap)
       z = sp.cap * tanh
     p = jnp.exp2(z * LOG2E - lse2)
-  if masked:
-    p = jnp.where(triton.positional(sp, rows, cols, q_lim, kv_lim), p, 0.0)
+  vis = _visible(sp, positions, q_lim, kv_lim, mask)
+  if vis is not None:
+    p = jnp.where(vis, p, 0.0)
   return p, tanh
 
 
@@ -533,6 +611,8 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
   values in SMEM and dk, dv in registers."""
   it = iter(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+  bias_ref = next(it) if sp.bias_dims is not None else None  # [b, n, S, T]
+  mask_ref = next(it) if sp.mask_dims is not None else None  # [b, n, S, T]
   q_len_ref = next(it) if sp.has_q_len else None
   kv_len_ref = next(it) if sp.has_kv_len else None
   dk_ref, dv_ref = next(it), next(it)
@@ -569,12 +649,28 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
     plgpu.barrier_wait(kv_ready.at[wg])
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
 
+    # Bias/mask tiles [bk, bq] of the transposed operands.
+    load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, k0, bq,
+                              pl.cdiv(sp.t, bq) - 1, (bk, bq))
+
+    no_tiles = bias_ref is None and mask_ref is None
+
+    def tiles_after(g, i):  # the next step's: block i + 1 or the next head's lo
+      if no_tiles:
+        return None
+      more = i + 1 < hi
+      g_next = jnp.where(more, g, jnp.minimum(g + 1, sp.groups - 1))
+      return load_tiles(kh * sp.groups + g_next, jnp.where(more, i + 1, lo))
+
     def step(i, carry, g, mode):
-      dk, dv = carry
+      dk, dv, tiles = carry
+      tiles = tiles or (None, None)
       slot = slot_of(g * per_head + i - lo)
+      nxt = tiles_after(g, i)
       plgpu.barrier_wait(ready.at[slot])
       if mode != "skip":
         q_t, do_t = q_smem.at[slot], do_smem.at[slot]
+        bias_t, mask_t = tiles
         # Key-major blocks [bk, bq]: s^T = k q^T, dp^T = v do^T.
         pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
         prods = _products(pairs, (bk, bq))
@@ -585,7 +681,8 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
             jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
         pt, tanh = _bwd_probabilities(
             sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]),
-            mode == "masked", qrows, keys, q_lim, kv_lim)
+            (qrows, keys) if mode == "masked" else None, q_lim, kv_lim,
+            bias_t, mask_t)
 
         def ds_t():  # ds^T = p^T (dp^T - D), times 1 - tanh^2 under a cap
           delta = plgpu.load(delta_smem.at[slot], layout=col_layout)
@@ -610,7 +707,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
           if want_dk:
             dk = _accumulate(dk, ds_t(), q_t, t_tile, interpret)
       plgpu.barrier_arrive(free.at[slot])
-      return dk, dv
+      return dk, dv, nxt
 
     def head(g, carry):
       for start, stop, mode in segments:
@@ -621,11 +718,12 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
     acc = lambda w: plgpu.layout_cast(jnp.zeros((bk, w), jnp.float32),
                                       plgpu.Layout.WGMMA)
     carry = (acc(k_tile.shape[1]) if want_dk else None,
-             acc(v_tile.shape[1]) if want_dv else None)
+             acc(v_tile.shape[1]) if want_dv else None,
+             None if no_tiles else load_tiles(kh * sp.groups, lo))
     if sp.groups == 1:
-      dk, dv = head(jnp.int32(0), carry)
+      dk, dv, _ = head(jnp.int32(0), carry)
     else:
-      dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(sp.groups), head, carry)
+      dk, dv, _ = lax.fori_loop(jnp.int32(0), jnp.int32(sp.groups), head, carry)
     # The tiles are free: every wgmma reading them has been waited for.
     if want_dk:
       k_tile[...] = (dk * sp.scale).astype(dtype)
@@ -672,9 +770,11 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
   p = exp(logits - lse) and ds = p (dp - D) for bq rows each, dq += ds k."""
   it = iter(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+  bias_ref = next(it) if sp.bias_dims is not None else None
+  mask_ref = next(it) if sp.mask_dims is not None else None
   q_len_ref = next(it) if sp.has_q_len else None
   kv_len_ref = next(it) if sp.has_kv_len else None
-  dq_ref = next(it)
+  dq_ref, dbias_ref = next(it), next(it)  # dbias: f32 [B, N, T, S] or None
   (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, t_smem, q_ready,
    ready, free) = it
   dtype = q_ref.dtype
@@ -706,28 +806,51 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
     delta = lax.broadcast_in_dim(
         plgpu.load(delta_smem.at[wg], layout=row_layout), (bq, bk), [0])
 
-    def step(j, dq, mode):
+    def dbias_tile(j):  # d bias = ds (the logits' gradient), 0 where unseen
+      return dbias_ref.at[b, n, pl.ds(r0, bq), pl.ds(j * bk, bk)]
+
+    def write_zeros(j):
+      dbias_tile(j)[...] = plgpu.layout_cast(
+          jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
+
+    load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
+                              pl.cdiv(sp.s, bk) - 1, (bq, bk))
+
+    def step(j, carry, mode):
+      dq, tiles = carry
+      nxt = load_tiles(n, j, 1)
       slot = slot_of(j)
       plgpu.barrier_wait(ready.at[slot])
       if mode != "skip":
         k_t, v_t = k_smem.at[slot], v_smem.at[slot]
+        bias, mask = tiles
         qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], (bq, bk))
         qrows = r0 + plgpu.broadcasted_iota(
             jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
         keys = j * bk + plgpu.broadcasted_iota(
             jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-        p, tanh = _bwd_probabilities(sp, qk, lse2, mode == "masked", qrows,
-                                     keys, q_lim, kv_lim)
+        p, tanh = _bwd_probabilities(
+            sp, qk, lse2, (qrows, keys) if mode == "masked" else None, q_lim,
+            kv_lim, bias, mask)
         ds = p * (dp - delta)
         if tanh is not None:
           ds = ds * (1.0 - tanh * tanh)
+        if dbias_ref is not None:
+          dbias_tile(j)[...] = ds
         dq = _accumulate(dq, ds.astype(dtype), k_t, t_tile, interpret)
+      elif dbias_ref is not None:
+        write_zeros(j)
       plgpu.barrier_arrive(free.at[slot])
-      return dq
+      return dq, nxt
 
-    dq = plgpu.layout_cast(jnp.zeros(q_t.shape, jnp.float32), plgpu.Layout.WGMMA)
+    carry = (plgpu.layout_cast(jnp.zeros(q_t.shape, jnp.float32), plgpu.Layout.WGMMA),
+             load_tiles(n, lo))
     for start, stop, mode in segments:
-      dq = lax.fori_loop(start, stop, functools.partial(step, mode=mode), dq)
+      carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
+    dq, _ = carry
+    if dbias_ref is not None:  # zeros in the key blocks the rows never see
+      pl.loop(jnp.int32(0), lo)(write_zeros)
+      pl.loop(hi, jnp.int32(dbias_ref.shape[3] // bk))(write_zeros)
     # Rows >= q_lim (lse = +inf there) get 0.
     qrows = r0 + plgpu.broadcasted_iota(
         jnp.int32, dq.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -756,8 +879,10 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
         lambda j: plgpu.barrier_wait(free.at[slot_of(j)]))
 
 
-def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpConfig):
-  """Gradients {query, key, value} from the forward's lse (f32 [B, N, T])."""
+def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpConfig,
+                       want_dbias: bool = True):
+  """Gradients {query, key, value[, bias]} from the forward's lse (f32
+  [B, N, T]); the bias's only if there is one and `want_dbias`."""
   sp = triton.Spec.of(args)
   q, k, v = args["query"], args["key"], args["value"]
   bsz, t, n, h = q.shape
@@ -782,7 +907,16 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   v = _pad(_pad(v, 3, hvp), 1, tk)
   lse2, delta = _pad(lse2, 2, tq), _pad(delta, 2, tq)
   lengths = [x.astype(jnp.int32) for x in (q_len, kv_len) if x is not None]
-  inputs = (q, k, v, do, lse2, delta, *lengths)
+  # Bias/mask tiles: the dq kernel reads [rows, keys] up to its last CTA's
+  # rows and last key block, the dk/dv kernel [keys, rows] (transposed).
+  rows = max(_round_up(tq, _CONSUMERS * config.dq_block_q),
+             _round_up(t, config.block_q))
+  cols = max(_round_up(s, config.dq_block_kv),
+             _round_up(tk, _CONSUMERS * config.block_kv))
+  tiles = [_ts_operand(args[name], t, s, rows, cols)
+           for name in ("bias", "mask") if args[name] is not None]
+  dkdv_tiles = [jnp.swapaxes(x, 2, 3) for x in tiles]
+  inputs = (q, k, v, do, lse2, delta, *tiles, *lengths)
   common = dict(num_threads=_CONSUMERS + 1, thread_name="wg",
                 compiler_params=plgpu.CompilerParams(approx_math=True),
                 interpret=pallas_mosaic.interpret_params())
@@ -814,17 +948,23 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
         grid_names=("batch", "head", "kv"),
         kernel_name="tokamax_attention_bwd_dkdv_mosaic",
         **common,
-    )(*inputs)
+    )(q, k, v, do, lse2, delta, *dkdv_tiles, *lengths)
     if want_dk:
       grads["key"] = dk[:, :s, :, :h]
     if want_dv:
       grads["value"] = dv[:, :s, :, :hv]
 
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
-  dq = plgpu.kernel(
+  nq = pl.cdiv(tq, _CONSUMERS * bq)
+  dq, dbias = plgpu.kernel(
       functools.partial(_dq_kernel, sp=sp, bq=bq, bk=bk, stages=st,
                         interpret=interpret),
-      out_type=jax.ShapeDtypeStruct((bsz, tq, n, hp), dtype),
+      out_type=[
+          jax.ShapeDtypeStruct((bsz, tq, n, hp), dtype),
+          jax.ShapeDtypeStruct((bsz, n, nq * _CONSUMERS * bq, _round_up(s, bk)),
+                               jnp.float32)
+          if sp.bias_dims is not None and want_dbias else None,
+      ],
       scratch_types=[
           plgpu.SMEM((_CONSUMERS, bq, hp), dtype),
           plgpu.SMEM((_CONSUMERS, bq, hvp), dtype),
@@ -837,12 +977,16 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
           plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
           plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
       ],
-      grid=(bsz, n, pl.cdiv(tq, _CONSUMERS * bq)),
+      grid=(bsz, n, nq),
       grid_names=("batch", "head", "q"),
       kernel_name="tokamax_attention_bwd_dq_mosaic",
       **common,
   )(*inputs)
   grads["query"] = dq[:, :t, :, :h]
+  if dbias is not None:  # summed over the bias's broadcast dims
+    axes = tuple(a for a, full in enumerate(sp.bias_dims) if not full)
+    dbias = jnp.sum(dbias[:, :, :t, :s], axis=axes, keepdims=True)
+    grads["bias"] = dbias.astype(args["bias"].dtype)
   # Inside shard_map the kernels' outputs carry no mesh axes: declare that
   # each gradient varies like its primal (a custom VJP must match types).
   union = frozenset().union(*(op_lib.varying(x) for x in inputs))
@@ -939,12 +1083,6 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
   pallas_triton.check_not_explicitly_sharded(op, ba)
   args = ba.arguments
   pallas_mosaic.check_dtype(op, "query", args["query"].dtype)
-  for name in ("bias", "mask"):
-    if args[name] is not None:
-      raise op.unsupported(
-          f"{name} is not implemented in the mosaic kernel yet (issue #5);"
-          " 'cudnn' and 'triton' support it."
-      )
   h, hv = args["query"].shape[3], args["value"].shape[3]
   if max(h, hv) > MAX_HEAD_DIM:
     raise op.unsupported(
@@ -981,7 +1119,8 @@ class MosaicDotProductAttentionVjp(_MosaicAttentionMixin, base.DotProductAttenti
     del return_residuals
     if not _vjp_fits(config, *_shape_of_args(args)):
       raise self.unsupported(f"config {config} exceeds shared memory.")
-    return attention_backward(args, residuals, out, dout, config), None
+    return attention_backward(args, residuals, out, dout, config,
+                              want_dbias="bias" not in self.skip_grads), None
 
 
 @dataclasses.dataclass(frozen=True)

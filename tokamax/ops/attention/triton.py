@@ -474,13 +474,13 @@ def attention_forward(args, config: TritonAttentionConfig, return_residuals: boo
 # --- backward ------------------------------------------------------------------
 
 
-def _dkdv_kernel(*refs, sp: Spec, bq: int, bk: int):
+def _dkdv_kernel(*refs, sp: Spec, bq: int, bk: int, want_dbias: bool):
   names = ("q", "k", "v", "bias", "mask", "q_len", "kv_len", "do", "lse", "delta")
   r, outs = _split_refs(refs, sp, names)
-  if sp.bias_dims is not None:
+  if want_dbias:
     outs = outs[1:]  # the zeroed dbias input, aliased to the last output
   dk_ref, dv_ref = outs[0], outs[1]
-  dbias_ref = outs[2] if sp.bias_dims is not None else None
+  dbias_ref = outs[2] if want_dbias else None
   j, b, kh = (i32(pl.program_id(a)) for a in range(3))
   k0 = j * bk
   cols = k0 + jnp.arange(bk)
@@ -575,9 +575,12 @@ def _dq_kernel(*refs, sp: Spec, bq: int, bk: int):
   _store_rows(dq_ref, dq, b, n, t0, sp.t, sp.h)
 
 
-def attention_backward(args, residuals, out, dout, config: TritonAttentionVjpConfig):
-  """Gradients {query, key, value[, bias]} from the forward's lse."""
+def attention_backward(args, residuals, out, dout, config: TritonAttentionVjpConfig,
+                       want_dbias: bool = True):
+  """Gradients {query, key, value[, bias]} from the forward's lse; the bias's
+  only if there is one and `want_dbias`."""
   sp = Spec.of(args)
+  want_dbias = want_dbias and sp.bias_dims is not None
   q, k, v = args["query"], args["key"], args["value"]
   bsz, t, n, _ = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
@@ -594,12 +597,12 @@ def attention_backward(args, residuals, out, dout, config: TritonAttentionVjpCon
   ]
   aliases = None
   dkdv_inputs = list(inputs)
-  if sp.bias_dims is not None:
+  if want_dbias:
     out_shape.append(jax.ShapeDtypeStruct((bsz, n, t, s), jnp.float32))
     dkdv_inputs.append(jnp.zeros((bsz, n, t, s), jnp.float32))
     aliases = {len(dkdv_inputs) - 1: 2}
   outs = pallas_triton.pallas_call(
-      functools.partial(_dkdv_kernel, sp=sp, bq=bq, bk=bk),
+      functools.partial(_dkdv_kernel, sp=sp, bq=bq, bk=bk, want_dbias=want_dbias),
       out_shape=out_shape, grid=(pl.cdiv(s, bk), bsz, kv_heads),
       num_warps=config.num_warps, num_stages=config.num_stages,
       name="tokamax_attention_bwd_dkdv", input_output_aliases=aliases,
@@ -613,7 +616,7 @@ def attention_backward(args, residuals, out, dout, config: TritonAttentionVjpCon
       name="tokamax_attention_bwd_dq",
   )(*inputs)[0]
   grads = {"query": dq, "key": outs[0], "value": outs[1]}
-  if sp.bias_dims is not None:
+  if want_dbias:
     bias = args["bias"]
     axes = tuple(a for a, full in enumerate(sp.bias_dims) if not full)
     dbias = jnp.sum(outs[2], axis=axes, keepdims=True) if axes else outs[2]
@@ -741,7 +744,8 @@ class TritonDotProductAttentionVjp(_TritonAttentionMixin, base.DotProductAttenti
 
   def _fwd(self, *, residuals, out, dout, config, return_residuals, **args):
     del return_residuals
-    return attention_backward(args, residuals, out, dout, config), None
+    return attention_backward(args, residuals, out, dout, config,
+                              want_dbias="bias" not in self.skip_grads), None
 
 
 @dataclasses.dataclass(frozen=True)
