@@ -272,3 +272,48 @@ def test_mask_at_head_dim_128_prefers_mosaic_over_cudnn():
   # Where "mosaic" cannot run (here: no Hopper GPU), cuDNN keeps the call.
   with tokamax.config.cross_compile("NVIDIA A100"):
     assert op.preferred(op.bind(q128, q128, q128, mask=mask))
+
+
+# --- gradients not asked for: Op.skip_grads, symbolic zeros ------------------
+
+_SEEN_SKIPS: list = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _RecordingVjp(xla_chunked.ChunkedDotProductAttentionVjp):
+  """Records the skip_grads it is called with."""
+
+  def _fwd(self, **kwargs):
+    _SEEN_SKIPS.append(self.skip_grads)
+    return super()._fwd(**kwargs)
+
+
+def test_vjp_learns_which_arrays_are_not_differentiated():
+  op = xla_chunked.ChunkedDotProductAttention(vjp=_RecordingVjp())
+  q, k, v = _qkv(3)
+  bias = jax.random.normal(jax.random.key(9), (1, q.shape[2], q.shape[1], k.shape[1]))
+  ref = lambda q, k, v, bias: jnp.sum(jnp.sin(reference.attention(q, k, v, bias=bias)))
+  f = lambda q, k, v, bias: jnp.sum(jnp.sin(op(q, k, v, bias=bias)))
+  _SEEN_SKIPS.clear()
+  with jax.default_matmul_precision("highest"):
+    g = jax.grad(f)(q, k, v, bias)  # only q: k, v and bias are constants
+    g_remat = jax.vmap(jax.grad(jax.checkpoint(f)), (0, None, None, None))(
+        q[None], k, v, bias)[0]  # under vmap and remat too
+    g_bias = jax.grad(f, argnums=3)(q, k, v, bias)
+  assert _SEEN_SKIPS == [frozenset({"key", "value", "bias"})] * 2 + [
+      frozenset({"query", "key", "value"})]
+  r, r_bias = (jax.grad(ref, argnums=a)(*map(reference.f64, (q, k, v, bias)))
+               for a in (0, 3))
+  reference.assert_close(g, r, 1e-4, "dq")
+  reference.assert_close(g_remat, r, 1e-4, "dq under vmap and remat")
+  reference.assert_close(g_bias, r_bias, 1e-4, "dbias")
+
+
+def test_zero_output_cotangent_skips_the_vjp():
+  op = xla_chunked.ChunkedDotProductAttention(vjp=_RecordingVjp())
+  q, k, v = _qkv(4)
+  _SEEN_SKIPS.clear()
+  # The attention output reaches the loss only through stop_gradient.
+  g = jax.grad(lambda q: jnp.sum(jax.lax.stop_gradient(op(q, k, v))) + jnp.sum(q))(q)
+  np.testing.assert_array_equal(np.asarray(g), 1.0)
+  assert not _SEEN_SKIPS

@@ -330,11 +330,11 @@ class Op(abc.ABC):
 
     def run_fwd(primals):
       arrays = jax.custom_derivatives.custom_vjp_primal_tree_values(primals)
-      perturbed.update({
-          n: any(p.perturbed for p in jax.tree.leaves(
-              x, is_leaf=lambda y: isinstance(y, jax.custom_derivatives.CustomVJPPrimal)))
-          for n, x in primals.items()
-      })
+      is_primal = lambda y: isinstance(y, jax.custom_derivatives.CustomVJPPrimal)
+      for n, x in primals.items():
+        leaves = jax.tree.leaves(x, is_leaf=is_primal)
+        if leaves:  # None (an absent optional array) has none
+          perturbed[n] = any(p.perturbed for p in leaves)
       # Checked when the gradient is traced, before any kernel runs.
       vjp_op.check_supported(
           BoundArguments(op=self, arguments={**arrays, **static})

@@ -12,10 +12,11 @@ three warpgroups (WGs) owns 2 * block_q query rows of one (batch, head):
     on registers. A two-party `sched` barrier offsets the consumers by half a
     step ("ping-pong", Sec. 3.1) so one WG's softmax overlaps the other's
     matmuls.
-Every feature but bias and mask is applied in registers: causal/local
-windows and query/key lengths by positions (key blocks no row sees are never
-loaded; blocks every row sees in full run without the positional mask),
-soft cap by tanh, GQA by reading kv head n // G (k/v never repeated).
+Every feature is applied in registers: causal/local windows and query/key
+lengths by positions (key blocks no row sees are never loaded; blocks every
+row sees in full run without the positional mask), bias and bool mask by
+tiles read from global memory one step ahead, soft cap by tanh, GQA by
+reading kv head n // G (k/v never repeated).
 Saves lse = m + log(l) (f32 [B, N, T]) as the residual.
 
 Backward (FlashAttention-2 Alg. 2 / FlashAttention-3 Sec. 3.3 without the
@@ -26,7 +27,8 @@ atomic dq), two kernels of the same three-WG shape from the lse residual:
     see the keys. Key-major: s^T = k q^T, p^T = exp2(s^T - lse),
     dv += p^T do, dp^T = v do^T, ds^T = p^T (dp^T - D), dk += ds^T q.
     Head dims 256 run it twice (dk, then dv) to fit the registers.
-  * dq: the forward's ring over key blocks; dq += ds k per step.
+  * dq: the forward's ring over key blocks; dq += ds k per step, and
+    dbias = ds written per block when the bias is differentiated.
 
 Shapes: head dims are padded to multiples of 64 (wgmma/TMA tiles; a copy,
 only when H or Hv is not already one). Sequences shorter than a block are
