@@ -73,20 +73,17 @@ if [[ $what == kernels ]]; then
     tests/test_dispatch.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.log"
   exit $status
 fi
-if [[ $what == mosaic_bwd ]]; then
-  # GPU tests (TESTS = -k filter, default Cudnn or Mosaic), then the Mosaic VJP sweep.
+if [[ $what == mosaic_bwd || $what == mosaic_bias ]]; then
+  # GPU attention tests (TESTS = -k filter), then the Mosaic VJP sweep
+  # (mosaic_bwd, SWEEP_S) or the bias/mask benchmark (mosaic_bias, BENCH_S).
+  default_tests="Cudnn or Mosaic" bench=attention_mosaic_vjp_sweep limit=${SWEEP_S:-240}
+  if [[ $what == mosaic_bias ]]; then
+    default_tests="Mosaic" bench=attention_bias_mask limit=${BENCH_S:-240}
+  fi
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_S:-300} python3 -m pytest -q -n 10 -p no:cacheprovider \
-    -rf --tb=line -m gpu tests/test_attention.py -k "${TESTS:-Cudnn or Mosaic}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-  timeout ${SWEEP_S:-240} python3 benchmarks/attention_mosaic_vjp_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
-    | tee "$OUT/sweep.log" | tail -80
-  exit
-fi
-if [[ $what == mosaic_bias ]]; then
-  # Mosaic GPU tests (TESTS = -k filter), then the bias/mask benchmark.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_S:-300} python3 -m pytest -q -n 10 -p no:cacheprovider \
-    -rf --tb=line -m gpu tests/test_attention.py -k "${TESTS:-Mosaic}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-  timeout ${BENCH_S:-240} python3 benchmarks/attention_bias_mask.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
-    | tee "$OUT/bench.log" | tail -40
+    -rf --tb=line -m gpu tests/test_attention.py -k "${TESTS:-$default_tests}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout $limit python3 benchmarks/$bench.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/bench.log" | tail -80
   exit
 fi
 if [[ $what == mosaic ]]; then
