@@ -1,9 +1,10 @@
 """Sweeps "mosaic" attention forward configs at the benchmark shapes (GPU).
 
 Usage: python benchmarks/attention_mosaic_sweep.py [OUT_DIR]
-For each shape and causal flag: cuDNN (jax.nn) forward and forward+backward,
-every forward config of the search space, and forward+backward with the
-best one. Prints times and writes attention_mosaic_sweep.json.
+For each shape and causal flag: cuDNN and XLA (jax.nn) forward, cuDNN
+forward+backward, the forward configs below that are in the search space,
+and forward+backward with the best one; then dense matmuls of q.k^T's size
+and 8192^3. Prints times and writes attention_mosaic_sweep.json.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import common
 from tokamax._src import benchmarking
 from tokamax.ops.attention import mosaic as mo
 
-ITERATIONS = 10
-# (block_q, block_kv, num_stages) tried where they fit (search_space).
-CONFIGS = [(64, 128, 2), (64, 128, 3), (128, 128, 2), (128, 64, 2), (128, 64, 4),
-           (64, 256, 2), (64, 64, 2)]
+ITERATIONS = 20
+# (block_q, block_kv, num_stages, overlap) tried where they fit (search_space).
+CONFIGS = [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True),
+           (128, 64, 2, True)]
 SHAPES = {  # (B, T, N, K, H)
     "seed B32 T2048 N16 H64": ((32, 2048, 16, 16, 64), (False, True)),
     "B8 T4096 N16 H128": ((8, 4096, 16, 16, 128), (False, True)),
@@ -50,6 +51,11 @@ def main(out_dir="."):
       c_f, c_fb = _time(cud, (q, kv, kv), "forward"), _time(cud, (q, kv, kv), "forward_and_vjp")
       record(shape=label, causal=causal, impl="cudnn", fwd_ms=c_f, fwdbwd_ms=c_fb,
              fwd_tflops=flops / c_f / 1e9, fwdbwd_tflops=3.5 * flops / c_fb / 1e9)
+      xla = lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="xla")
+      x_f = _time(xla, (q, kv, kv), "forward")
+      record(shape=label, causal=causal, impl="xla", fwd_ms=x_f,
+             fwd_tflops=flops / x_f / 1e9, vs_cudnn=c_f / x_f)
       best = None
       space = mo.search_space(t, t, h, h, 2)
       for cfg in [mo.MosaicAttentionConfig(*c) for c in CONFIGS]:
@@ -61,14 +67,22 @@ def main(out_dir="."):
         except Exception as e:  # a config may not compile (registers)
           record(shape=label, causal=causal, fwd=str(cfg), error=str(e)[:200])
           continue
-        record(shape=label, causal=causal, fwd=(cfg.block_q, cfg.block_kv, cfg.num_stages),
-               fwd_ms=ms, fwd_tflops=flops / ms / 1e9, vs_cudnn=c_f / ms)
+        record(shape=label, causal=causal,
+               fwd=(cfg.block_q, cfg.block_kv, cfg.num_stages, cfg.overlap), fwd_ms=ms, fwd_tflops=flops / ms / 1e9, vs_cudnn=c_f / ms)
         if best is None or ms < best[1]:
           best = (cfg, ms)
       op = mo.MosaicDotProductAttention(config=best[0])
       ms = _time(lambda q, k, v: op(q, k, v, is_causal=causal), (q, kv, kv), "forward_and_vjp")
       record(shape=label, causal=causal, fwdbwd=str(best[0]), fwdbwd_ms=ms,
              fwdbwd_tflops=3.5 * flops / ms / 1e9, vs_cudnn=c_fb / ms)
+    a = jax.ShapeDtypeStruct((b * n, t, h), jnp.bfloat16)
+    c = jax.ShapeDtypeStruct((b * n, h, t), jnp.bfloat16)
+    ms = _time(lambda x, y: jnp.einsum("bth,bhs->bts", x, y), (a, c), "forward")
+    record(shape=label, impl="dense matmul q@k^T (same size)", fwd_ms=ms,
+           fwd_tflops=2 * b * n * t * t * h / ms / 1e9)
+  m = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
+  ms = _time(lambda x, y: x @ y, (m, m), "forward")
+  record(shape="8192^3", impl="dense matmul", fwd_ms=ms, fwd_tflops=2 * 8192**3 / ms / 1e9)
   common.save(out_dir, "attention_mosaic_sweep", rows, iterations=ITERATIONS)
 
 
