@@ -628,27 +628,6 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     self.check(c, BF16)
 
 
-class TestMosaicInterpretOverlap(TestMosaicInterpretManyBlocks):
-  """The forward with each consumer's softmax overlapped with its own P V
-  (config overlap=True; FA3 Sec. 3.2): the same block-level cases."""
-
-  op = _mosaic_op(block_q=64, block_kv=64, num_stages=2, overlap=True)
-
-  @hypothesis.settings(max_examples=6, deadline=None)
-  @hypothesis.given(
-      t=st.integers(1, 300), s=st.integers(1, 300), kh=st.integers(1, 2),
-      g=st.integers(1, 2), causal=st.booleans(), stages=st.sampled_from([1, 2, 3]),
-      window=st.sampled_from([None, 3, (0, 70), (90, 0), (None, 9)]),
-      lens=st.booleans(), h=st.sampled_from([64, 40]),
-  )
-  def test_hypothesis_blocks(self, t, s, kh, g, causal, stages, window, lens, h):
-    kwargs = (("is_causal", causal), ("local_window_size", window))
-    c = Case(batch=(2,), t=t, s=s, n=kh * g, kh=kh, h=h, kwargs=kwargs,
-             q_lens=lens, kv_lens=lens)
-    self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=stages, overlap=True)
-    self.check(c, BF16)
-
-
 MOSAIC_LOWER_CASES = {
     "seed_B32_T2048_N16_H64": ((32, 2048, 2048, 16, 16, 64, 64), {}),
     "seed_causal": ((32, 2048, 2048, 16, 16, 64, 64), dict(is_causal=True)),
@@ -767,23 +746,6 @@ def test_mosaic_vjp_search_space_lowers_for_cuda():
 
 
 @pytest.mark.gpu
-class TestMosaicGpuOverlap(AttentionTestBase):
-  """The whole base with the overlapped forward (config overlap=True)."""
-
-  implementation = "mosaic"
-  op = _mosaic_op(overlap=True)
-  dtypes = (BF16, F16)
-
-  @pytest.mark.parametrize("causal", [False, True])
-  @pytest.mark.parametrize("shape", [(1, 4096, 16, 16, 128), (1, 1024, 32, 8, 128),
-                                     (2, 777, 4, 2, 80), (2, 2048, 8, 8, 64)])
-  def test_real_size_shapes(self, shape, causal):
-    b, t, n, kh, h = shape
-    self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h,
-                    kwargs=(("is_causal", causal),)), BF16)
-
-
-@pytest.mark.gpu
 class TestMosaicGpu(AttentionTestBase):
   """The whole base with the compiled Mosaic forward on an H100/H200."""
 
@@ -803,7 +765,8 @@ class TestMosaicGpu(AttentionTestBase):
       mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))
   def test_search_space_configs(self, config):
     """Every autotuning candidate compiles and is right (H128, many blocks)."""
-    self.op = mosaic_attn.MosaicDotProductAttention(config=config)
+    self.op = _mosaic_op(block_q=config.block_q, block_kv=config.block_kv,
+                         num_stages=config.num_stages)
     self.check(Case(batch=(1,), t=1000, s=1100, n=4, kh=2, h=128, q_lens=True,
                     kv_lens=True, kwargs=(("is_causal", True),
                                           ("local_window_size", (300, None)))), BF16)

@@ -69,19 +69,18 @@ _M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never NaN
 # only issues TMA; consumers hold S, P and the O accumulator.
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
-_PINGPONG = True
+# Backward consumers alternate on the tensor cores (ping-pong, as in the
+# forward) when the ring has at least 2 stages.
+_BWD_PINGPONG = True
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
 class MosaicAttentionConfig:
-  """Query rows per consumer WG (CTA: 2x), key rows per step, ring depth;
-  `overlap`: each consumer overlaps its softmax with its own P V product
-  (FlashAttention-3 Sec. 3.2) on top of the ping-pong between consumers."""
+  """Query rows per consumer WG (CTA: 2x), key rows per step, ring depth."""
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
-  overlap: bool = False
 
   @pydantic.field_validator("block_q")
   @classmethod
@@ -117,8 +116,7 @@ def smem_bytes(config: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int,
   o = 0 if hvp == hp else _CONSUMERS * bq * hvp * itemsize
   kv = st * bk * (hp + hvp) * itemsize
   lse = _CONSUMERS * bq * 4 if residuals else 0
-  p = _CONSUMERS * bq * bk * itemsize if config.overlap else 0
-  bufs = [q, o, kv // 2, kv // 2, lse, p]
+  bufs = [q, o, kv // 2, kv // 2, lse]
   return sum(_round_up(x, 1024) for x in bufs if x) + 2560  # + barriers, reductions
 
 
@@ -229,7 +227,7 @@ def _visible(sp, positions, q_lim, kv_lim, mask):
 
 
 def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
-                save_lse: bool, overlap: bool, interpret: bool):
+                save_lse: bool, interpret: bool):
   it = iter(refs)
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   bias_ref = next(it) if sp.bias_dims is not None else None
@@ -246,16 +244,6 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
 
   b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
       sp, q_len_ref, kv_len_ref, bq, bk)
-  if overlap:
-    # The overlapped loop runs block lo's product before the loop and the
-    # last P V after it (a wgmma cannot sit under a runtime condition): give
-    # CTAs whose rows see no key one in-bounds block, all of it masked.
-    empty = hi <= lo
-    lo = jnp.where(empty, jnp.minimum(lo, pl.cdiv(sp.s, bk) - 1), lo)
-    hi = jnp.where(empty, lo + 1, hi)
-    # The limits become inputs of overlap_step's run_state, which Mosaic GPU
-    # lowers only for traced values, not for literals.
-    q_lim, kv_lim = q_lim + wg * 0, kv_lim + wg * 0
 
   def schedule():
     plgpu.barrier_arrive(sched)
@@ -322,86 +310,6 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
                               pl.cdiv(sp.s, bk) - 1, (bq, bk))
 
-    def softmax(qk, j, m, l, masked, tiles):
-      """Online softmax of block j: (new max, new sum, P in the input dtype,
-      the factor alpha that rescales the old accumulator)."""
-      z, m_new = logits_and_max(qk, j, m, masked, *tiles)
-      m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
-      p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
-      alpha = jnp.exp2(m - m_new)
-      return m_new, l * alpha + p.sum(axis=1), p.astype(dtype), alpha
-
-    def scaled(acc, alpha):
-      return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-    def store_p(p16):
-      """P to this consumer's shared-memory tile, the A operand of P V."""
-      p_smem.at[wg][...] = p16
-      plgpu.commit_smem()
-
-    def pv_into(acc, slot):
-      """acc + P V, P from shared memory, V from ring slot `slot` (waits)."""
-      if interpret:  # the interpreter only runs zero-initialised accumulators
-        def product(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
-          return acc_ref[...]
-
-        return acc + pl.run_scoped(product, plgpu.ACC((bq, hvp), jnp.float32))
-      return pl.run_state(lambda acc_ref: plgpu.wgmma(
-          acc_ref, p_smem.at[wg], v_smem.at[slot]))(plgpu.ACC.init(acc))
-
-    def overlap_step(j, carry, mode):
-      """FA3 Sec. 3.2 (Alg. 2): issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1};
-      wait for S_j only and run its softmax while P V is on the tensor cores;
-      rescale O once P V is done.
-
-      P_{j-1} waits in shared memory, not registers: every input register of
-      two wgmmas in flight together must be written before the first one
-      issues, and a register operand is fenced right at its wgmma, so ptxas
-      serialises the pair (warning C7513, H200)."""
-      m, l, acc, tiles = carry
-      slot, prev = slot_of(j), slot_of(j - 1)
-      nxt = load_tiles(n, j, 1)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[prev])
-
-      def issue_then_softmax(s_ref, o_ref, m, l):
-        # Ping-pong: two rendezvous per step, offset by one between the
-        # consumers, so one issues its products while the other runs its
-        # softmax (one rendezvous would put both softmaxes in lockstep).
-        if _PINGPONG:
-          schedule()
-        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-        plgpu.wgmma(o_ref, p_smem.at[wg], v_smem.at[prev])
-        if _PINGPONG:
-          schedule()
-        qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S only
-        plgpu.barrier_arrive(k_free.at[slot])
-        return softmax(qk, j, m, l, mode == "masked", tiles)
-
-      if interpret:
-        def body(s_ref, o_ref):
-          stats = issue_then_softmax(s_ref, o_ref, m, l)
-          return o_ref[...], stats
-
-        pv, (m, l, p16, alpha) = pl.run_scoped(
-            body, plgpu.ACC((bq, bk), jnp.float32),
-            plgpu.ACC((bq, hvp), jnp.float32))
-        acc = acc + pv
-      else:
-        def body(refs):  # O stays an accumulator; the rest is state
-          o_ref, m_ref, l_ref, p_ref, alpha_ref = refs
-          m_ref[...], l_ref[...], p_ref[...], alpha_ref[...] = pl.run_scoped(
-              lambda s_ref: issue_then_softmax(s_ref, o_ref, m_ref[...], l_ref[...]),
-              plgpu.ACC((bq, bk), jnp.float32))
-
-        p_init = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-        acc, m, l, p16, alpha = pl.run_state(body)(
-            (plgpu.ACC.init(acc), m, l, p_init, m))
-      store_p(p16)  # P V_{j-1} is done with the tile
-      plgpu.barrier_arrive(v_free.at[prev])
-      return m, l, scaled(acc, alpha), nxt
-
     def step(j, carry, mode):
       m, l, acc, tiles = carry
       slot = slot_of(j)
@@ -461,47 +369,17 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       plgpu.barrier_arrive(v_free.at[slot])
       return m_new, l, acc, nxt
 
-    if overlap:  # lo < hi here
+    carry = (m, l, acc, load_tiles(n, lo))
+
+    @pl.when(lo < hi)
+    def _():
       plgpu.barrier_wait(k_ready.at[slot_of(lo)])
 
-      def first_qk(s_ref):
-        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot_of(lo)].T)
-        return s_ref[...]
-
-      qk = pl.run_scoped(first_qk, plgpu.ACC((bq, bk), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot_of(lo)])
-      m, l, p16, _ = softmax(qk, lo, m, l, True, load_tiles(n, lo))
-      store_p(p16)
-      carry = (m, l, acc, load_tiles(n, lo, 1))
-      # Blocks the other consumer sees alone are computed masked here (the
-      # loop issues block j's S one step ahead, whatever its mode).
-      a = jnp.maximum(segments[2][0], lo + 1)
-      c = jnp.maximum(segments[2][1], a)
-      if _PINGPONG:
-        pl.when(wg == 1)(schedule)
-      for start, stop, mode in ((lo + 1, a, "masked"), (a, c, "full"),
-                                (c, hi, "masked")):
-        carry = lax.fori_loop(
-            start, stop, functools.partial(overlap_step, mode=mode), carry)
-      if _PINGPONG:
-        pl.when(wg == 0)(schedule)
-      m, l, acc, _ = carry
-      last = slot_of(hi - 1)
-      plgpu.barrier_wait(v_ready.at[last])
-      acc = pv_into(acc, last)
-      plgpu.barrier_arrive(v_free.at[last])
-    else:
-      carry = (m, l, acc, load_tiles(n, lo))
-
-      @pl.when(lo < hi)
-      def _():
-        plgpu.barrier_wait(k_ready.at[slot_of(lo)])
-
-      pl.when(wg == 1)(schedule)
-      for start, stop, mode in segments:
-        carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
-      pl.when(wg == 0)(schedule)
-      m, l, acc, _ = carry
+    pl.when(wg == 1)(schedule)
+    for start, stop, mode in segments:
+      carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
+    pl.when(wg == 0)(schedule)
+    m, l, acc, _ = carry
 
     # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
     seen = l > 0
@@ -578,7 +456,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       plgpu.SMEM((stages, bk, hp), dtype),
       plgpu.SMEM((stages, bk, hvp), dtype),
       plgpu.SMEM((_CONSUMERS, bq), jnp.float32) if return_residuals else None,
-      plgpu.SMEM((_CONSUMERS, bq, bk), dtype) if interpret or config.overlap else None,
+      plgpu.SMEM((_CONSUMERS, bq, bk), dtype) if interpret else None,
       plgpu.Barrier(num_barriers=_CONSUMERS),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
@@ -601,8 +479,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   kernel = plgpu.kernel(
       functools.partial(
           _fwd_kernel, sp=sp, bq=bq, bk=bk, stages=stages, hp=hp, hvp=hvp,
-          save_lse=return_residuals, overlap=config.overlap,
-          interpret=interpret),
+          save_lse=return_residuals, interpret=interpret),
       out_type=out_type,
       scratch_types=scratch,
       # The last grid axis varies fastest: the CTAs running together are the
@@ -680,13 +557,15 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   return dkdv, dq
 
 
-def _products(pairs, shape):
+def _products(pairs, shape, after_issue=None):
   """[a @ b for (a, b) in pairs] (SMEM refs) in fresh f32 accumulators, all
-  issued before the first is read (one wait)."""
+  issued before the first is read (one wait); `after_issue()` runs between."""
 
   def run(*acc_refs):
     for acc_ref, (a, b) in zip(acc_refs, pairs):
       plgpu.wgmma(acc_ref, a, b)
+    if after_issue is not None:
+      after_issue()
     return tuple(acc_ref[...] for acc_ref in acc_refs)
 
   return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32) for _ in pairs])
@@ -708,6 +587,24 @@ def _accumulate(acc, lhs, rhs, lhs_smem, interpret: bool):
     plgpu.wgmma(acc_ref, lhs, rhs)
 
   return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def _pingpong(sched, wg, stages: int):
+  """(turn, begin, end) for the backward consumers' ping-pong: `turn()` is a
+  rendezvous of the two consumers on the `sched` barrier; each step calls it
+  twice (after issuing the step's first products, and before issuing the
+  accumulating ones) and WG 1 starts one rendezvous late, so one consumer's
+  elementwise work overlaps the other's products (FA3 Sec. 3.1). No-ops
+  with a 1-stage ring (the consumers would wait for each other's slot)."""
+  if not _BWD_PINGPONG or stages < 2:
+    nothing = lambda: None
+    return nothing, nothing, nothing
+
+  def turn():
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+  return (turn, lambda: pl.when(wg == 1)(turn), lambda: pl.when(wg == 0)(turn))
 
 
 def _bwd_probabilities(sp, qk, lse2, positions, q_lim, kv_lim, bias, mask):
@@ -745,7 +642,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
   kv_len_ref = next(it) if sp.has_kv_len else None
   dk_ref, dv_ref = next(it), next(it)
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, t_smem, kv_ready,
-   ready, free) = it
+   ready, free, sched) = it
   dtype = q_ref.dtype
   fuse_dkdv = k_smem.shape[-1] + v_smem.shape[-1] <= 128
   b = lax.axis_index("batch")
@@ -761,6 +658,8 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
 
   def slot_of(step):
     return lax.rem(step, jnp.int32(stages))
+
+  turn, begin, end = _pingpong(sched, wg, stages)
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
@@ -801,7 +700,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         bias_t, mask_t = tiles
         # Key-major blocks [bk, bq]: s^T = k q^T, dp^T = v do^T.
         pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
-        prods = _products(pairs, (bk, bq))
+        prods = _products(pairs, (bk, bq), after_issue=turn)
         lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
         keys = k0 + plgpu.broadcasted_iota(
             jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
@@ -819,6 +718,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
             dst = dst * (1.0 - tanh * tanh)
           return dst.astype(dtype)
 
+        turn()
         if want_dk and want_dv and not interpret and fuse_dkdv:
           # dv += p^T do runs on the tensor cores while ds^T is computed;
           # then dk += ds^T q, one wait for both. Faster at head dim 64,
@@ -834,6 +734,9 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
             dv = _accumulate(dv, pt.astype(dtype), do_t, t_tile, interpret)
           if want_dk:
             dk = _accumulate(dk, ds_t(), q_t, t_tile, interpret)
+      else:
+        turn()
+        turn()
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv, nxt
 
@@ -848,10 +751,12 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
     carry = (acc(k_tile.shape[1]) if want_dk else None,
              acc(v_tile.shape[1]) if want_dv else None,
              None if no_tiles else load_tiles(kh * sp.groups, lo))
+    begin()
     if sp.groups == 1:
       dk, dv, _ = head(jnp.int32(0), carry)
     else:
       dk, dv, _ = lax.fori_loop(jnp.int32(0), jnp.int32(sp.groups), head, carry)
+    end()
     # The tiles are free: every wgmma reading them has been waited for.
     if want_dk:
       k_tile[...] = (dk * sp.scale).astype(dtype)
@@ -904,13 +809,15 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
   kv_len_ref = next(it) if sp.has_kv_len else None
   dq_ref, dbias_ref = next(it), next(it)  # dbias: f32 [B, N, T, S] or None
   (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, t_smem, q_ready,
-   ready, free) = it
+   ready, free, sched) = it
   dtype = q_ref.dtype
   b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
       sp, q_len_ref, kv_len_ref, bq, bk)
 
   def slot_of(j):
     return lax.rem(j - lo, jnp.int32(stages))
+
+  turn, begin, end = _pingpong(sched, wg, stages)
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
@@ -952,7 +859,7 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
       if mode != "skip":
         k_t, v_t = k_smem.at[slot], v_smem.at[slot]
         bias, mask = tiles
-        qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], (bq, bk))
+        qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], (bq, bk), after_issue=turn)
         qrows = r0 + plgpu.broadcasted_iota(
             jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
         keys = j * bk + plgpu.broadcasted_iota(
@@ -965,16 +872,22 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
           ds = ds * (1.0 - tanh * tanh)
         if dbias_ref is not None:
           dbias_tile(j)[...] = ds
+        turn()
         dq = _accumulate(dq, ds.astype(dtype), k_t, t_tile, interpret)
-      elif dbias_ref is not None:
-        write_zeros(j)
+      else:
+        if dbias_ref is not None:
+          write_zeros(j)
+        turn()
+        turn()
       plgpu.barrier_arrive(free.at[slot])
       return dq, nxt
 
     carry = (plgpu.layout_cast(jnp.zeros(q_t.shape, jnp.float32), plgpu.Layout.WGMMA),
              load_tiles(n, lo))
+    begin()
     for start, stop, mode in segments:
       carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
+    end()
     dq, _ = carry
     if dbias_ref is not None:  # zeros in the key blocks the rows never see
       pl.loop(jnp.int32(0), lo)(write_zeros)
@@ -1070,6 +983,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
             plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),  # kv_ready
             plgpu.Barrier(num_arrivals=4, num_barriers=st),  # ready
             plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
+            plgpu.Barrier(num_arrivals=_CONSUMERS),  # sched
         ],
         # Key tiles vary fastest: CTAs in flight share the q/do tiles in L2.
         grid=(bsz, kv_heads, pl.cdiv(tk, _CONSUMERS * bk)),
@@ -1104,6 +1018,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
           plgpu.Barrier(num_arrivals=4, num_barriers=_CONSUMERS),  # q_ready
           plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
           plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
+          plgpu.Barrier(num_arrivals=_CONSUMERS),  # sched
       ],
       grid=(bsz, n, nq),
       grid_names=("batch", "head", "q"),
@@ -1150,14 +1065,10 @@ def search_space(t: int, s: int, hp: int, hvp: int,
                  itemsize: int) -> set[MosaicAttentionConfig]:
   del t, s
   configs = set()
-  for bq, bk, stages, overlap in itertools.product(
-      (64, 128), (64, 128, 256), (2, 3, 4), (False, True)):
-    c = MosaicAttentionConfig(block_q=bq, block_kv=bk, num_stages=stages,
-                              overlap=overlap)
-    # Registers per consumer thread: the S block and the O accumulator (f32),
-    # with overlap also the previous step's P (16-bit).
-    regs = bq * (bk + hvp) // 128 + (bq * bk // 256 if overlap else 0)
-    if regs > 192 or not _fits(c, hp, hvp, itemsize):
+  for bq, bk, stages in itertools.product((64, 128), (64, 128, 256), (2, 3, 4)):
+    c = MosaicAttentionConfig(block_q=bq, block_kv=bk, num_stages=stages)
+    # f32 values per consumer thread: S block plus the O accumulator.
+    if bq * (bk + hvp) // 128 > 192 or not _fits(c, hp, hvp, itemsize):
       continue
     configs.add(c)
   return configs
