@@ -8,7 +8,8 @@ accelerator time (cupti on GPU, wallclock elsewhere), median of ITERATIONS
 runs. Effective bandwidth counts the bytes that must move at least once:
 forward x read + y written (2 R F itemsize); forward_and_vjp adds the
 backward's x and dy read and dx written (5 R F itemsize). Parameters and
-statistics are ignored (< 0.1%). Off-GPU the shapes are shrunk 64x in R so
+statistics are ignored (< 0.1%). The "copy" row per shape is the ceiling
+for the forward: XLA's y = x + 1 (one read of x, one write of y). Off-GPU the shapes are shrunk 64x in R so
 the script stays a quick smoke test (the triton rows then report the refusal).
 """
 
@@ -67,6 +68,11 @@ def main(out_dir="."):
           row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
         print(_fmt(row), flush=True)
+    data = _time(lambda x: x + 1, (x,), "forward")
+    ms = data.median_evaluation_time_ms
+    rows.append(dict(shape=label, mode="forward", impl="copy", ms=ms,
+                     tbps=2 * size * x.dtype.itemsize / ms / 1e9, method=data.method))
+    print(_fmt(rows[-1]), flush=True)
   meta = common.save(out_dir, "layer_norm", rows, iterations=ITERATIONS)
   print(f"\n{meta}")
   print(markdown(rows))

@@ -69,9 +69,6 @@ _M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never NaN
 # only issues TMA; consumers hold S, P and the O accumulator.
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
-# Backward consumers alternate on the tensor cores (ping-pong, as in the
-# forward) when the ring has at least 2 stages.
-_BWD_PINGPONG = True
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -557,15 +554,13 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   return dkdv, dq
 
 
-def _products(pairs, shape, after_issue=None):
+def _products(pairs, shape):
   """[a @ b for (a, b) in pairs] (SMEM refs) in fresh f32 accumulators, all
-  issued before the first is read (one wait); `after_issue()` runs between."""
+  issued before the first is read (one wait)."""
 
   def run(*acc_refs):
     for acc_ref, (a, b) in zip(acc_refs, pairs):
       plgpu.wgmma(acc_ref, a, b)
-    if after_issue is not None:
-      after_issue()
     return tuple(acc_ref[...] for acc_ref in acc_refs)
 
   return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32) for _ in pairs])
@@ -587,24 +582,6 @@ def _accumulate(acc, lhs, rhs, lhs_smem, interpret: bool):
     plgpu.wgmma(acc_ref, lhs, rhs)
 
   return pl.run_state(run)(plgpu.ACC.init(acc))
-
-
-def _pingpong(sched, wg, stages: int):
-  """(turn, begin, end) for the backward consumers' ping-pong: `turn()` is a
-  rendezvous of the two consumers on the `sched` barrier; each step calls it
-  twice (after issuing the step's first products, and before issuing the
-  accumulating ones) and WG 1 starts one rendezvous late, so one consumer's
-  elementwise work overlaps the other's products (FA3 Sec. 3.1). No-ops
-  with a 1-stage ring (the consumers would wait for each other's slot)."""
-  if not _BWD_PINGPONG or stages < 2:
-    nothing = lambda: None
-    return nothing, nothing, nothing
-
-  def turn():
-    plgpu.barrier_arrive(sched)
-    plgpu.barrier_wait(sched)
-
-  return (turn, lambda: pl.when(wg == 1)(turn), lambda: pl.when(wg == 0)(turn))
 
 
 def _bwd_probabilities(sp, qk, lse2, positions, q_lim, kv_lim, bias, mask):
@@ -642,7 +619,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
   kv_len_ref = next(it) if sp.has_kv_len else None
   dk_ref, dv_ref = next(it), next(it)
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, t_smem, kv_ready,
-   ready, free, sched) = it
+   ready, free) = it
   dtype = q_ref.dtype
   fuse_dkdv = k_smem.shape[-1] + v_smem.shape[-1] <= 128
   b = lax.axis_index("batch")
@@ -658,8 +635,6 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
 
   def slot_of(step):
     return lax.rem(step, jnp.int32(stages))
-
-  turn, begin, end = _pingpong(sched, wg, stages)
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
@@ -700,7 +675,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         bias_t, mask_t = tiles
         # Key-major blocks [bk, bq]: s^T = k q^T, dp^T = v do^T.
         pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
-        prods = _products(pairs, (bk, bq), after_issue=turn)
+        prods = _products(pairs, (bk, bq))
         lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
         keys = k0 + plgpu.broadcasted_iota(
             jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
@@ -718,7 +693,6 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
             dst = dst * (1.0 - tanh * tanh)
           return dst.astype(dtype)
 
-        turn()
         if want_dk and want_dv and not interpret and fuse_dkdv:
           # dv += p^T do runs on the tensor cores while ds^T is computed;
           # then dk += ds^T q, one wait for both. Faster at head dim 64,
@@ -734,9 +708,6 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
             dv = _accumulate(dv, pt.astype(dtype), do_t, t_tile, interpret)
           if want_dk:
             dk = _accumulate(dk, ds_t(), q_t, t_tile, interpret)
-      else:
-        turn()
-        turn()
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv, nxt
 
@@ -751,12 +722,10 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
     carry = (acc(k_tile.shape[1]) if want_dk else None,
              acc(v_tile.shape[1]) if want_dv else None,
              None if no_tiles else load_tiles(kh * sp.groups, lo))
-    begin()
     if sp.groups == 1:
       dk, dv, _ = head(jnp.int32(0), carry)
     else:
       dk, dv, _ = lax.fori_loop(jnp.int32(0), jnp.int32(sp.groups), head, carry)
-    end()
     # The tiles are free: every wgmma reading them has been waited for.
     if want_dk:
       k_tile[...] = (dk * sp.scale).astype(dtype)
@@ -809,15 +778,13 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
   kv_len_ref = next(it) if sp.has_kv_len else None
   dq_ref, dbias_ref = next(it), next(it)  # dbias: f32 [B, N, T, S] or None
   (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, t_smem, q_ready,
-   ready, free, sched) = it
+   ready, free) = it
   dtype = q_ref.dtype
   b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
       sp, q_len_ref, kv_len_ref, bq, bk)
 
   def slot_of(j):
     return lax.rem(j - lo, jnp.int32(stages))
-
-  turn, begin, end = _pingpong(sched, wg, stages)
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
@@ -859,7 +826,7 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
       if mode != "skip":
         k_t, v_t = k_smem.at[slot], v_smem.at[slot]
         bias, mask = tiles
-        qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], (bq, bk), after_issue=turn)
+        qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], (bq, bk))
         qrows = r0 + plgpu.broadcasted_iota(
             jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
         keys = j * bk + plgpu.broadcasted_iota(
@@ -872,22 +839,16 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
           ds = ds * (1.0 - tanh * tanh)
         if dbias_ref is not None:
           dbias_tile(j)[...] = ds
-        turn()
         dq = _accumulate(dq, ds.astype(dtype), k_t, t_tile, interpret)
-      else:
-        if dbias_ref is not None:
-          write_zeros(j)
-        turn()
-        turn()
+      elif dbias_ref is not None:
+        write_zeros(j)
       plgpu.barrier_arrive(free.at[slot])
       return dq, nxt
 
     carry = (plgpu.layout_cast(jnp.zeros(q_t.shape, jnp.float32), plgpu.Layout.WGMMA),
              load_tiles(n, lo))
-    begin()
     for start, stop, mode in segments:
       carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
-    end()
     dq, _ = carry
     if dbias_ref is not None:  # zeros in the key blocks the rows never see
       pl.loop(jnp.int32(0), lo)(write_zeros)
@@ -983,7 +944,6 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
             plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),  # kv_ready
             plgpu.Barrier(num_arrivals=4, num_barriers=st),  # ready
             plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
-            plgpu.Barrier(num_arrivals=_CONSUMERS),  # sched
         ],
         # Key tiles vary fastest: CTAs in flight share the q/do tiles in L2.
         grid=(bsz, kv_heads, pl.cdiv(tk, _CONSUMERS * bk)),
@@ -1018,7 +978,6 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
           plgpu.Barrier(num_arrivals=4, num_barriers=_CONSUMERS),  # q_ready
           plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
           plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
-          plgpu.Barrier(num_arrivals=_CONSUMERS),  # sched
       ],
       grid=(bsz, n, nq),
       grid_names=("batch", "head", "q"),
