@@ -84,22 +84,15 @@ def main(out_dir="."):
             rows.append(dict(shape=label, causal=causal, mode=mode, impl=name,
                              error=f"{type(e).__name__}: {str(e)[:200]}"))
           print(_fmt(rows[-1]), flush=True)
-    # A dense matmul of the same size: [B*N*T, H] @ [H, S] per head pair.
-    a = jax.ShapeDtypeStruct((b * n, t, h), jnp.bfloat16)
-    c = jax.ShapeDtypeStruct((b * n, h, t), jnp.bfloat16)
-    data = _time(lambda x, y: jnp.einsum("bth,bhs->bts", x, y), (a, c), "forward")
-    ms = data.median_evaluation_time_ms
-    rows.append(dict(shape=label, causal=False, mode="forward",
-                     impl="dense matmul q@k^T (same size)", ms=ms,
-                     tflops=2 * b * n * t * t * h / ms / 1e9, method=data.method))
-    print(_fmt(rows[-1]))
-  m = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
-  data = _time(lambda x, y: x @ y, (m, m), "forward")
-  ms = data.median_evaluation_time_ms
-  rows.append(dict(shape="8192^3", causal=False, mode="forward",
-                   impl="dense matmul 8192^3", ms=ms, tflops=2 * 8192**3 / ms / 1e9,
-                   method=data.method))
-  print(_fmt(rows[-1]))
+    peers = [(label, "dense matmul q@k^T (same size)", common.qk_matmul(b, n, t, h))]
+    if label == list(SHAPES)[-1]:
+      peers.append(("8192^3", "dense matmul 8192^3", common.dense_matmul()))
+    for shape_label, name, (fn, specs, flops) in peers:
+      data = _time(fn, specs, "forward")
+      ms = data.median_evaluation_time_ms
+      rows.append(dict(shape=shape_label, causal=False, mode="forward", impl=name,
+                       ms=ms, tflops=flops / ms / 1e9, method=data.method))
+      print(_fmt(rows[-1]))
   for r in rows:  # throughput relative to cuDNN (jax.nn) in the same run
     peer = [p for p in rows if p["impl"] == "jax.nn cudnn" and "ms" in p
             and (p["shape"], p["causal"], p["mode"]) == (r["shape"], r["causal"], r["mode"])]

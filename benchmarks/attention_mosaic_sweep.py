@@ -67,22 +67,21 @@ def main(out_dir="."):
         except Exception as e:  # a config may not compile (registers)
           record(shape=label, causal=causal, fwd=str(cfg), error=str(e)[:200])
           continue
-        record(shape=label, causal=causal,
-               fwd=(cfg.block_q, cfg.block_kv, cfg.num_stages), fwd_ms=ms, fwd_tflops=flops / ms / 1e9, vs_cudnn=c_f / ms)
+        record(shape=label, causal=causal, fwd=(cfg.block_q, cfg.block_kv, cfg.num_stages),
+               fwd_ms=ms, fwd_tflops=flops / ms / 1e9, vs_cudnn=c_f / ms)
         if best is None or ms < best[1]:
           best = (cfg, ms)
       op = mo.MosaicDotProductAttention(config=best[0])
       ms = _time(lambda q, k, v: op(q, k, v, is_causal=causal), (q, kv, kv), "forward_and_vjp")
       record(shape=label, causal=causal, fwdbwd=str(best[0]), fwdbwd_ms=ms,
              fwdbwd_tflops=3.5 * flops / ms / 1e9, vs_cudnn=c_fb / ms)
-    a = jax.ShapeDtypeStruct((b * n, t, h), jnp.bfloat16)
-    c = jax.ShapeDtypeStruct((b * n, h, t), jnp.bfloat16)
-    ms = _time(lambda x, y: jnp.einsum("bth,bhs->bts", x, y), (a, c), "forward")
+    fn, specs, flops = common.qk_matmul(b, n, t, h)
+    ms = _time(fn, specs, "forward")
     record(shape=label, impl="dense matmul q@k^T (same size)", fwd_ms=ms,
-           fwd_tflops=2 * b * n * t * t * h / ms / 1e9)
-  m = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
-  ms = _time(lambda x, y: x @ y, (m, m), "forward")
-  record(shape="8192^3", impl="dense matmul", fwd_ms=ms, fwd_tflops=2 * 8192**3 / ms / 1e9)
+           fwd_tflops=flops / ms / 1e9)
+  fn, specs, flops = common.dense_matmul()
+  ms = _time(fn, specs, "forward")
+  record(shape="8192^3", impl="dense matmul", fwd_ms=ms, fwd_tflops=flops / ms / 1e9)
   common.save(out_dir, "attention_mosaic_sweep", rows, iterations=ITERATIONS)
 
 

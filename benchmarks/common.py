@@ -31,6 +31,21 @@ def seed_inputs(demo):
   return x, scale
 
 
+def qk_matmul(b: int, n: int, t: int, h: int):
+  """(fn, arg specs, FLOPs): a bf16 batched matmul of q.k^T's size,
+  [B*N, T, H] @ [B*N, H, T] (the attention benchmarks' peer)."""
+  a = jax.ShapeDtypeStruct((b * n, t, h), jnp.bfloat16)
+  c = jax.ShapeDtypeStruct((b * n, h, t), jnp.bfloat16)
+  return (lambda x, y: jnp.einsum("bth,bhs->bts", x, y), (a, c),
+          2 * b * n * t * t * h)
+
+
+def dense_matmul(size: int = 8192):
+  """(fn, arg specs, FLOPs): a bf16 [size, size] @ [size, size] matmul."""
+  m = jax.ShapeDtypeStruct((size, size), jnp.bfloat16)
+  return lambda x, y: x @ y, (m, m), 2 * size**3
+
+
 def save(out_dir, name: str, rows, **meta) -> dict:
   """Writes OUT_DIR/NAME.json with date, device and jax version; returns meta."""
   meta = dict(date=datetime.date.today().isoformat(),

@@ -9,8 +9,9 @@ runs. Effective bandwidth counts the bytes that must move at least once:
 forward x read + y written (2 R F itemsize); forward_and_vjp adds the
 backward's x and dy read and dx written (5 R F itemsize). Parameters and
 statistics are ignored (< 0.1%). The "copy" row per shape is the ceiling
-for the forward: XLA's y = x + 1 (one read of x, one write of y). Off-GPU the shapes are shrunk 64x in R so
-the script stays a quick smoke test (the triton rows then report the refusal).
+for the forward: XLA's y = x + 1 (one read of x, one write of y). Off-GPU
+the shapes are shrunk 64x in R so the script stays a quick smoke test (the
+triton rows then report the refusal).
 """
 
 from __future__ import annotations
