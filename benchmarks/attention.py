@@ -1,7 +1,9 @@
 """Attention benchmark: tokamax implementations against jax.nn and a matmul.
 
-Usage: python benchmarks/attention.py [OUT_DIR]
+Usage: python benchmarks/attention.py [OUT_DIR] [ONLY]
 Prints a markdown table and writes attention.json to OUT_DIR (default: .).
+ONLY (comma-separated) keeps the implementations whose label contains one of
+its words, e.g. "triton,jax.nn" (the matmul peers always run).
 Times are accelerator time (cupti on GPU, wallclock elsewhere), median of
 ITERATIONS runs, bf16 random inputs; FLOPs by the FlashAttention convention:
 4*B*N*T*S*H forward, 2.5x that backward, half of both when causal.
@@ -64,8 +66,9 @@ def _time(f, args, mode):
   return benchmarking.benchmark(f_std, flat, iterations=ITERATIONS)
 
 
-def main(out_dir="."):
+def main(out_dir=".", only=""):
   rows = []
+  words = [w for w in only.split(",") if w]
   for label, (shape, causals, slow_xla) in SHAPES.items():
     b, t, n, kh, h = shape
     spec = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
@@ -73,6 +76,8 @@ def main(out_dir="."):
     for causal in causals:
       for mode in ("forward", "forward_and_vjp"):
         for name, fn in _candidates(slow_xla):
+          if words and not any(w in name for w in words):
+            continue
           f = lambda q, k, v, fn=fn: fn(query=q, key=k, value=v, is_causal=causal)
           try:
             data = _time(f, (spec, kv_spec, kv_spec), mode)

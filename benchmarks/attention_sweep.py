@@ -1,9 +1,10 @@
 """Sweeps "triton" attention configs at the benchmark shapes (GPU).
 
-Usage: python benchmarks/attention_sweep.py [OUT_DIR]
+Usage: python benchmarks/attention_sweep.py [OUT_DIR] [SHAPE_WORD] [fwd]
 For each shape and causal flag: cuDNN (jax.nn) forward and forward+backward,
 then every forward config of a short list, then every backward config with
-the best forward config. Prints times and writes attention_sweep.json.
+the best forward config (unless "fwd" is given). SHAPE_WORD keeps the shapes
+whose label contains it. Prints times and writes attention_sweep.json.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ SHAPES = {
     "GQA B4 T4096 N32 K8 H128": ((4, 4096, 32, 8, 128), (True,)),
 }
 FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 4, 2),
-       (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4), (64, 128, 4, 3)]
+       (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4), (64, 128, 4, 3),
+       (128, 128, 8, 2), (128, 64, 8, 2), (128, 32, 4, 3)]
 BWD = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 32, 4, 3),
        (64, 64, 8, 2), (128, 64, 4, 2), (64, 128, 8, 2), (128, 128, 8, 2)]
 
@@ -35,7 +37,7 @@ def _time(f, specs, mode):
   return benchmarking.benchmark(f_std, flat, iterations=ITERATIONS).median_evaluation_time_ms
 
 
-def main(out_dir="."):
+def main(out_dir=".", shape_word="", only_fwd=""):
   rows = []
 
   def record(**r):
@@ -43,6 +45,8 @@ def main(out_dir="."):
     print(r, flush=True)
 
   for label, ((b, t, n, kh, h), causals) in SHAPES.items():
+    if shape_word not in label:
+      continue
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
     for causal in causals:
@@ -65,7 +69,7 @@ def main(out_dir="."):
                vs_cudnn=c_f / ms)
         if best is None or ms < best[1]:
           best = (cfg, ms)
-      for bk, bq, w, st in BWD:
+      for bk, bq, w, st in ([] if only_fwd == "fwd" else BWD):
         vcfg = tr.TritonAttentionVjpConfig(block_k=bk, block_q=bq, dq_block_q=bk,
                                            dq_block_k=bq, num_warps=w, num_stages=st)
         op = tr.TritonDotProductAttention(

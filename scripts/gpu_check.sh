@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|mosaic_bwd|mosaic_bias|kernels|gpu_tests|ship_mosaic|final|ship|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|mosaic_bwd|ncu|mosaic_bias|kernels|gpu_tests|ship_mosaic|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -106,8 +106,35 @@ if [[ $what == attn_bench ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -n 4 -p no:cacheprovider \
     -m gpu tests/test_layer_norm.py tests/test_attention.py -k "${TESTS:-Triton}" 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -8
-  python3 benchmarks/attention.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+  # ONLY: a comma-separated filter of implementation labels (attention.py).
+  python3 benchmarks/attention.py "$OUT" "${ONLY:-}" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/bench.log" | tail -60
+  exit
+fi
+if [[ $what == ncu ]]; then
+  # Nsight Compute (--set full, clocks left alone) on the attention kernels:
+  # PROFILES = "impl:shape:causal:mode:kernel-regex:skip:count ..."; then the
+  # layer_norm benchmark and the Mosaic config sweep (SWEEP_S) unless
+  # BENCH=0. Reports and their text pages come back as $OUT/ncu.tar.gz ($OUT
+  # returns at most 8 files).
+  default="mosaic:seed:0:forward:tokamax:2:1 triton:seed:0:forward:tokamax:2:1"
+  for p in ${PROFILES:-$default}; do
+    IFS=: read -r impl shape causal mode pat skip count <<< "$p"
+    name=ncu_${impl}_${shape}_c${causal}_${mode}
+    mkdir -p /tmp/ncu
+    timeout 150 ncu --clock-control none --set full -k "regex:$pat" --launch-skip "$skip" \
+      --launch-count "$count" -f -o "/tmp/ncu/$name" \
+      python3 benchmarks/profile_attention.py "$impl" "$shape" "$causal" "$mode" 2>&1 | tail -3
+    ncu -i "/tmp/ncu/$name.ncu-rep" --page details > "/tmp/ncu/$name.txt" 2>&1
+    ncu -i "/tmp/ncu/$name.ncu-rep" --page raw --csv > "/tmp/ncu/${name}_raw.csv" 2>&1
+    ncu -i "/tmp/ncu/$name.ncu-rep" --page source --print-source sass --csv > "/tmp/ncu/${name}_sass.csv" 2>&1
+    grep -E "Duration|Registers Per|Achieved Occ|Issue Slots Busy|Compute \(SM\) Th" "/tmp/ncu/$name.txt" | head -12
+  done
+  tar -C /tmp/ncu -czf "$OUT/ncu.tar.gz" .
+  [[ ${BENCH:-1} == 0 ]] && exit
+  python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -14
+  timeout ${SWEEP_S:-240} python3 benchmarks/attention_mosaic_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/sweep.log" | tail -60
   exit
 fi
 if [[ $what == ln ]]; then

@@ -475,6 +475,10 @@ def test_triton_lowers_for_cuda(name):
     grad_text = _lower_text(jax.grad(loss), d, rest)
   assert fwd_text.count(TRITON_TARGET) == 1
   assert grad_text.count(TRITON_TARGET) == 3  # forward, dk/dv, dq
+  # The softmax exponentials are one FFMA + ex2.approx.ftz (exp2_fma), not
+  # jnp.exp2's non-ftz lowering, in every kernel.
+  assert "ex2.approx.ftz.f32" in fwd_text
+  assert grad_text.count("ex2.approx.ftz.f32") >= 3
 
 
 def test_triton_cross_compile_dispatch():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import struct
 from collections.abc import Iterator
 
 import jax
@@ -59,6 +60,29 @@ def prev_pow2(n: int) -> int:
 def i32(v):
   """An int32 scalar (slice starts must share one dtype, also under x64)."""
   return jnp.asarray(v, jnp.int32)
+
+
+def exp2_fma(x, scale: float, shift):
+  """2 ** (x * scale - shift) for f32 x [..., n]; shift broadcasts to x.
+
+  Inside a Triton kernel on the GPU this is one FFMA and one MUFU.EX2 per
+  element (PTX fma.rn.ftz + ex2.approx.ftz). jnp.exp2 lowers to
+  ex2.approx.f32 without ftz, which ptxas wraps in a range test and two
+  multiplies, and x * scale - shift stays an FMUL and an FADD: nine
+  instructions instead of two per logit, in kernels whose softmax is
+  issue-bound (H200 profile, docs/benchmarks.md). Results below 2**-126
+  flush to zero. Interpret mode: plain jnp.
+  """
+  neg = jnp.broadcast_to(-jnp.asarray(shift, jnp.float32), x.shape)
+  if INTERPRET.value:
+    return jnp.exp2(x * scale + neg)
+  bits = struct.unpack("<I", struct.pack("<f", scale))[0]
+  asm = ("{ .reg .f32 t; fma.rn.ftz.f32 t, $1, 0f%08X, $2; "
+         "ex2.approx.ftz.f32 $0, t; }" % bits)
+  [y] = pltr.elementwise_inline_asm(
+      asm, args=[x, neg], constraints="=f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return y
 
 
 def num_sms() -> int:

@@ -312,17 +312,19 @@ def raw_scale(sp: Spec) -> float | None:
 
 
 def _logits2(sp: Spec, q, k, bias, key_major=False):
-  """Base-2 logits log2(e) * capped(scale q.k + bias) and tanh (or None).
+  """(z, c, tanh): base-2 logits are z * c = log2(e) * capped(scale q.k + bias).
 
   [bq, bk] from q [bq, H], k [bk, H]; key_major: [bk, bq] from k, q (bias is
-  given query-major and transposed here).
+  given query-major and transposed here). Without bias and cap z is q.k
+  itself and c = log2(e) * scale (folded into the exponential's FMA);
+  otherwise c = 1. tanh is the soft cap's tanh (or None).
   """
   if key_major:
     qk = pltr.dot(k, q, trans_b=True, precision=sp.precision)
   else:
     qk = pltr.dot(q, k, trans_b=True, precision=sp.precision)
   if bias is None and sp.cap is None:
-    return qk * (sp.scale * LOG2E), None
+    return qk, sp.scale * LOG2E, None
   z = qk * sp.scale
   if bias is not None:
     bias = bias.astype(jnp.float32)
@@ -331,7 +333,7 @@ def _logits2(sp: Spec, q, k, bias, key_major=False):
   if sp.cap is not None:
     tanh = jnp.tanh(z / sp.cap)
     z = sp.cap * tanh
-  return z * LOG2E, tanh
+  return z * LOG2E, 1.0, tanh
 
 
 def _visibility(sp, masked, rows, cols, q_lim, kv_lim, mask_ref, b, n, r0, c0,
@@ -402,16 +404,18 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
       if vis is not None:
         qk = jnp.where(vis, qk, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(qk, axis=1) * raw)
-      p = jnp.exp2(qk * raw - m_new[:, None])
+      p = pallas_triton.exp2_fma(qk, raw, m_new[:, None])
     else:
       bias = None
       if r["bias"] is not None:
         bias = _load_ts(r["bias"], sp.bias_dims, b, n, t0, k0, bq, bk, sp, 0.0)
-      z, _ = _logits2(sp, q, k, bias)
+      z, c, _ = _logits2(sp, q, k, bias)
+      if c != 1.0:  # a scale <= 0 without bias or cap
+        z = z * c
       if vis is not None:
         z = jnp.where(vis, z, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(z, axis=1))
-      p = jnp.exp2(z - m_new[:, None])
+      p = pallas_triton.exp2_fma(z, 1.0, m_new[:, None])
     alpha = jnp.exp2(m - m_new)
     l = l * alpha + jnp.sum(p, axis=1)
     pv = pltr.dot(p.astype(v.dtype), v, precision=sp.precision)
@@ -508,8 +512,8 @@ def _dkdv_kernel(*refs, sp: Spec, bq: int, bk: int, want_dbias: bool):
         bias = _load_ts(r["bias"], sp.bias_dims, b, n, r0, k0, bq, bk, sp, 0.0)
       # Key-major blocks [bk, bq] (p^T, ds^T): the dk and dv products take
       # them as the left operand without a transpose in registers.
-      z, tanh = _logits2(sp, q, k, bias, key_major=True)
-      p = jnp.exp2(z - lse2[None, :])
+      z, c, tanh = _logits2(sp, q, k, bias, key_major=True)
+      p = pallas_triton.exp2_fma(z, c, lse2[None, :])
       vis = _visibility(sp, masked, rows, cols, q_lim, kv_lim, r["mask"], b, n,
                         r0, k0, bq, bk, key_major=True)
       if vis is not None:
@@ -556,8 +560,8 @@ def _dq_kernel(*refs, sp: Spec, bq: int, bk: int):
     bias = None
     if r["bias"] is not None:
       bias = _load_ts(r["bias"], sp.bias_dims, b, n, t0, k0, bq, bk, sp, 0.0)
-    z, tanh = _logits2(sp, q, k, bias)
-    p = jnp.exp2(z - lse2[:, None])
+    z, c, tanh = _logits2(sp, q, k, bias)
+    p = pallas_triton.exp2_fma(z, c, lse2[:, None])
     vis = _visibility(sp, masked, rows, cols, q_lim, kv_lim, r["mask"], b, n,
                       t0, k0, bq, bk)
     if vis is not None:
