@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|mosaic_bwd|ncu|mosaic_bias|kernels|gpu_tests|ship_mosaic|final|ship|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|kernels|gpu_tests|ship_mosaic|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -135,6 +135,16 @@ if [[ $what == ncu ]]; then
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -14
   timeout ${SWEEP_S:-240} python3 benchmarks/attention_mosaic_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/sweep.log" | tail -60
+  exit
+fi
+if [[ $what == trace ]]; then
+  # In-kernel timelines of the Mosaic forward (Mosaic GPU's profiler on the
+  # kernel's named regions): the trace test, then trace_mosaic.py per case.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_attention.py -k "trace" 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
+  for c in ${TRACES:-seed:0 seed:1 h128:0}; do
+    timeout 120 python3 benchmarks/trace_mosaic.py "$OUT" "${c%%:*}" "${c##*:}" 2>&1 | tail -60
+  done
   exit
 fi
 if [[ $what == ln ]]; then

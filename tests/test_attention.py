@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 
 import hypothesis
@@ -747,6 +748,34 @@ def test_mosaic_vjp_search_space_lowers_for_cuda():
       with tokamax.config.cross_compile("NVIDIA H200"):
         text = _lower_text(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
       assert text.count(MOSAIC_TARGET) == (4 if h == 256 else 3), config
+
+
+def test_mosaic_trace_switch():
+  """trace_kernels() turns Mosaic GPU's profiler on, except when interpreted."""
+  assert pallas_mosaic.compiler_params(approx_math=True).profile_space == 0
+  with pallas_mosaic.trace_kernels("/tmp/somewhere"):
+    params = pallas_mosaic.compiler_params(approx_math=True)
+    assert params.approx_math and params.profile_dir == "/tmp/somewhere"
+    assert params.profile_space == pallas_mosaic.TRACE_RANGES
+    with pallas_mosaic.interpret_mode():
+      assert pallas_mosaic.compiler_params().profile_space == 0
+  assert pallas_mosaic.compiler_params().profile_dir == ""
+
+
+@pytest.mark.gpu
+def test_mosaic_trace_on_gpu(tmp_path):
+  """A traced forward gives the same output and a trace of every region."""
+  x = jax.random.normal(jax.random.key(0), (1, 1024, 4, 64), BF16)
+  f = lambda q: tokamax.dot_product_attention(q, q, q, implementation="mosaic")
+  plain = jax.jit(f)(x)
+  with pallas_mosaic.trace_kernels(str(tmp_path)):
+    traced = jax.jit(f)(x)
+    jax.effects_barrier()
+  np.testing.assert_array_equal(np.asarray(plain, F32), np.asarray(traced, F32))
+  [trace] = list(tmp_path.glob("*trace.json"))
+  names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+  assert {"q_wait", "qk_issue", "rendezvous_qk", "qk_wait", "softmax",
+          "rendezvous_pv", "pv", "epilogue", "k_free_wait"} <= names, names
 
 
 @pytest.mark.gpu

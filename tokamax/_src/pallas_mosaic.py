@@ -9,6 +9,12 @@ jax.config.update("tokamax_mosaic_interpret", True).
 The interpreter can hang (warpgroups blocked in barrier waits) in a process
 with a single CPU device; give it several, e.g.
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (as the tests do).
+
+Tracing: inside `trace_kernels(directory)` the kernels are compiled with
+Mosaic GPU's in-kernel profiler: every warpgroup records the begin and end of
+the `jax.named_scope` regions of the kernel code (clock reads, a few cycles
+each), and each call writes a Perfetto JSON trace into `directory`
+(`benchmarks/trace_mosaic.py` summarises them). GPU only; part of the jit key.
 """
 
 from __future__ import annotations
@@ -31,6 +37,17 @@ INTERPRET = jax_config.bool_state(
     include_in_trace_context=True,
 )
 
+TRACE_DIR = jax_config.string_or_object_state(
+    "tokamax_mosaic_trace_dir",
+    default="",
+    help="Folder for in-kernel traces of tokamax's Mosaic GPU kernels ('' = off).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+# Regions each warpgroup may record while tracing (later ones are dropped);
+# the buffer lives in shared memory, 16 bytes per region and warpgroup.
+TRACE_RANGES = 320
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Shared memory per block (opt-in) on sm90; what Mosaic GPU checks against.
 SMEM_BYTES = 227 * 1024
@@ -41,6 +58,23 @@ def interpret_mode(enabled: bool = True) -> Iterator[None]:
   """Runs tokamax's Mosaic GPU kernels in the GPU interpreter inside."""
   with INTERPRET(enabled):
     yield
+
+
+@contextlib.contextmanager
+def trace_kernels(directory: str) -> Iterator[None]:
+  """Compiles tokamax's Mosaic GPU kernels with the in-kernel profiler inside:
+  each call writes a Perfetto JSON trace of its warpgroups' named regions to
+  `directory`."""
+  with TRACE_DIR(str(directory)):
+    yield
+
+
+def compiler_params(**kwargs) -> plgpu.CompilerParams:
+  """plgpu.CompilerParams(**kwargs), with the profiler when tracing (GPU)."""
+  if TRACE_DIR.value and not INTERPRET.value:
+    kwargs.update(profile_space=TRACE_RANGES, profile_dir=TRACE_DIR.value,
+                  profile_bounds_check=True)
+  return plgpu.CompilerParams(**kwargs)
 
 
 def interpret_params():

@@ -259,7 +259,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(
         q_ref.at[b, pl.ds(r0, bq), n], q_tile, q_ready.at[wg])
-    plgpu.barrier_wait(q_ready.at[wg])
+    with jax.named_scope("q_wait"):  # named regions: trace_kernels() traces
+      plgpu.barrier_wait(q_ready.at[wg])
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)
@@ -311,41 +312,51 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       m, l, acc, tiles = carry
       slot = slot_of(j)
       if mode == "skip":  # a block only the other consumer sees
-        tiles = load_tiles(n, j, 1)
-        plgpu.barrier_arrive(k_free.at[slot])
-        schedule()
-        end_softmax(slot)
-        wait_next_k(j)
-        plgpu.barrier_arrive(v_free.at[slot])
+        with jax.named_scope("skip"):
+          tiles = load_tiles(n, j, 1)
+          plgpu.barrier_arrive(k_free.at[slot])
+          schedule()
+          end_softmax(slot)
+          wait_next_k(j)
+          plgpu.barrier_arrive(v_free.at[slot])
         return m, l, acc, tiles
 
       def qk_product(acc_ref):
-        plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
-        # The next step's bias/mask tiles load meanwhile.
-        nxt = load_tiles(n, j, 1)
-        schedule()  # the other consumer's softmax runs meanwhile
-        return acc_ref[...], nxt
+        with jax.named_scope("qk_issue"):
+          plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
+          # The next step's bias/mask tiles load meanwhile.
+          nxt = load_tiles(n, j, 1)
+        with jax.named_scope("rendezvous_qk"):
+          schedule()  # the other consumer's softmax runs meanwhile
+        with jax.named_scope("qk_wait"):
+          s = acc_ref[...]
+        return s, nxt
 
       qk, nxt = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
       bias, mask = tiles
-      plgpu.barrier_arrive(k_free.at[slot])
-      z, m_new = logits_and_max(qk, j, m, mode == "masked", bias, mask)
-      m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
-      p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
-      alpha = jnp.exp2(m - m_new)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      l = l * alpha
-      p16 = p.astype(dtype)
+      with jax.named_scope("softmax"):
+        plgpu.barrier_arrive(k_free.at[slot])
+        z, m_new = logits_and_max(qk, j, m, mode == "masked", bias, mask)
+        m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
+        p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
+        alpha = jnp.exp2(m - m_new)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha
+        p16 = p.astype(dtype)
       # Instruction order matters for overlap (the ordering of JAX's FA3
       # example): with small accumulators finish the softmax before
       # releasing the tensor cores, with large ones after.
       if hvp <= 128:
-        l = l + p.sum(axis=1)
-        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        end_softmax(slot)
+        with jax.named_scope("softmax"):
+          l = l + p.sum(axis=1)
+          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        with jax.named_scope("rendezvous_pv"):
+          end_softmax(slot)
       else:
-        end_softmax(slot)
-        l = l + p.sum(axis=1)
+        with jax.named_scope("rendezvous_pv"):
+          end_softmax(slot)
+        with jax.named_scope("softmax"):
+          l = l + p.sum(axis=1)
       if interpret:
         p_tile = p_smem.at[wg]
         p_tile[...] = p16
@@ -362,7 +373,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
           plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
           wait_next_k(j)
 
-        acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+        with jax.named_scope("pv"):
+          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
       return m_new, l, acc, nxt
 
@@ -379,21 +391,22 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     m, l, acc, _ = carry
 
     # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
-    seen = l > 0
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    rows = r0 + plgpu.broadcasted_iota(
-        jnp.int32, (bq, hvp), 0, layout=plgpu.Layout.WGMMA)
-    out = jnp.where(rows < q_lim, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), 0.0)
-    o_tile = o_smem.at[wg]
-    o_tile[...] = out.astype(dtype)
-    if save_lse:
-      lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, 0.0)
-      lse_smem.at[wg][...] = lse
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(r0, bq), n])
-    if save_lse:
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(r0, bq)])
-    plgpu.wait_smem_to_gmem(0)
+    with jax.named_scope("epilogue"):
+      seen = l > 0
+      inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      rows = r0 + plgpu.broadcasted_iota(
+          jnp.int32, (bq, hvp), 0, layout=plgpu.Layout.WGMMA)
+      out = jnp.where(rows < q_lim, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), 0.0)
+      o_tile = o_smem.at[wg]
+      o_tile[...] = out.astype(dtype)
+      if save_lse:
+        lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, 0.0)
+        lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(r0, bq), n])
+      if save_lse:
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(r0, bq)])
+      plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
@@ -403,10 +416,12 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     def issue(j, slot, barrier_wait):
       rows = (b, pl.ds(j * bk, bk), kh)
       if barrier_wait:
-        plgpu.barrier_wait(k_free.at[slot])
+        with jax.named_scope("k_free_wait"):
+          plgpu.barrier_wait(k_free.at[slot])
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
       if barrier_wait:
-        plgpu.barrier_wait(v_free.at[slot])
+        with jax.named_scope("v_free_wait"):
+          plgpu.barrier_wait(v_free.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
     first = jnp.minimum(lo + stages, hi)
@@ -485,7 +500,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       grid_names=("batch", "head", "q"),
       num_threads=_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=pallas_mosaic.compiler_params(approx_math=True),
       interpret=pallas_mosaic.interpret_params(),
       kernel_name="tokamax_attention_fwd_mosaic",
   )
@@ -920,7 +935,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   dkdv_tiles = [jnp.swapaxes(x, 2, 3) for x in tiles]
   inputs = (q, k, v, do, lse2, delta, *tiles, *lengths)
   common = dict(num_threads=_CONSUMERS + 1, thread_name="wg",
-                compiler_params=plgpu.CompilerParams(approx_math=True),
+                compiler_params=pallas_mosaic.compiler_params(approx_math=True),
                 interpret=pallas_mosaic.interpret_params())
 
   bk, bq, st = config.block_kv, config.block_q, config.num_stages
