@@ -68,7 +68,7 @@ def exp2_fma(x, scale: float, shift):
   Inside a Triton kernel on the GPU this is one FFMA and one MUFU.EX2 per
   element (PTX fma.rn.ftz + ex2.approx.ftz). jnp.exp2 lowers to
   ex2.approx.f32 without ftz, which ptxas wraps in a range test and two
-  multiplies, and x * scale - shift stays an FMUL and an FADD: nine
+  multiplies, and x * scale - shift stays an FMUL and an FADD: six
   instructions instead of two per logit, in kernels whose softmax is
   issue-bound (H200 profile, docs/benchmarks.md). Results below 2**-126
   flush to zero. Interpret mode: plain jnp.
