@@ -87,7 +87,7 @@ def stall_mix(rows) -> dict[str, float]:
 def main(directory: str) -> None:
   d = pathlib.Path(directory)
   table = ["| profile | kernel | " + " | ".join(c for c, _ in METRICS)
-           + " | per logit-ish: " + " ".join(OPCODES) + " (M) | top stalls |",
+           + " | executed " + " / ".join(OPCODES) + " (M) | top stalls |",
            "|" + "---|" * (len(METRICS) + 4)]
   for raw in sorted(d.glob("*_raw.csv")):
     profile = raw.name[: -len("_raw.csv")]
@@ -100,7 +100,7 @@ def main(directory: str) -> None:
         cells.append(f"{v / 1e6:.0f}" if col == "warp-instr M" else f"{v:.3g}")
       rows = sass.get(kernel, [])
       mix = opcode_mix(rows)
-      ops = " ".join(f"{mix.get(o, 0) / 1e6:.0f}" for o in OPCODES)
+      ops = " / ".join(f"{mix.get(o, 0) / 1e6:.0f}" for o in OPCODES)
       stalls = ", ".join(f"{k} {v:.0%}" for k, v in list(stall_mix(rows).items())[:4])
       table.append(f"| {profile} | {kernel.replace('_mosaic_gpu_kernel', '')} | "
                    + " | ".join(cells) + f" | {ops} | {stalls} |")
