@@ -389,7 +389,6 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
   rows = t0 + jnp.arange(bq)
   q_lim, kv_lim = _lengths(sp, r["q_len"], r["kv_len"], b)
   q = _load_rows(r["q"], b, n, t0, bq, sp.hp, sp.t, sp.h, True)
-  raw = raw_scale(sp)
 
   def body(j, carry, masked):
     m, l, acc = carry
@@ -399,23 +398,19 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
     v = _load_rows(r["v"], b, kh, k0, bk, sp.hvp, sp.s, sp.hv, masked)
     vis = _visibility(sp, masked, rows, cols, q_lim, kv_lim, r["mask"], b, n,
                       t0, k0, bq, bk)
-    if raw is not None:
-      qk = pltr.dot(q, k, trans_b=True, precision=sp.precision)
-      if vis is not None:
-        qk = jnp.where(vis, qk, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(qk, axis=1) * raw)
-      p = pallas_triton.exp2_fma(qk, raw, m_new[:, None])
-    else:
-      bias = None
-      if r["bias"] is not None:
-        bias = _load_ts(r["bias"], sp.bias_dims, b, n, t0, k0, bq, bk, sp, 0.0)
-      z, c, _ = _logits2(sp, q, k, bias)
-      if c != 1.0:  # a scale <= 0 without bias or cap
-        z = z * c
-      if vis is not None:
-        z = jnp.where(vis, z, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(z, axis=1))
-      p = pallas_triton.exp2_fma(z, 1.0, m_new[:, None])
+    bias = None
+    if r["bias"] is not None:
+      bias = _load_ts(r["bias"], sp.bias_dims, b, n, t0, k0, bq, bk, sp, 0.0)
+    # Base-2 logits z * c: with c > 0 the running max is taken on z itself and
+    # c folds into the exponential's FMA (one FFMA + ex2 per logit).
+    z, c, _ = _logits2(sp, q, k, bias)
+    if c <= 0:  # a scale <= 0 without bias or cap
+      z, c = z * c, 1.0
+    if vis is not None:
+      z = jnp.where(vis, z, -jnp.inf)
+    z_max = jnp.max(z, axis=1)
+    m_new = jnp.maximum(m, z_max * c if c != 1.0 else z_max)
+    p = pallas_triton.exp2_fma(z, c, m_new[:, None])
     alpha = jnp.exp2(m - m_new)
     l = l * alpha + jnp.sum(p, axis=1)
     pv = pltr.dot(p.astype(v.dtype), v, precision=sp.precision)
