@@ -235,13 +235,18 @@ class TestTritonInterpret(LayerNormTestBase):
     with pytest.raises(NotImplementedError, match="triton.*16384"):
       jax.eval_shape(self.layer_norm, x)
 
+  @pytest.mark.parametrize("programs_per_sm", [0, 2, 3])
   @pytest.mark.parametrize("subtract_mean", [True, False])
-  def test_pinned_config_masked_rows_and_loop(self, monkeypatch, subtract_mean):
-    """block_rows not dividing R, F not a power of 2, >1 backward loop trip."""
+  def test_pinned_config_masked_rows_and_loop(self, monkeypatch, subtract_mean,
+                                              programs_per_sm):
+    """block_rows not dividing R, F not a power of 2, >1 backward loop trip;
+    a looping forward (programs_per_sm > 0) with trips past the last tile."""
     # With 1 "SM" and 4 warps at most 8 backward programs: 19 row blocks of
     # 2 rows -> 3 loop trips over 7 programs (the last ones partly masked).
+    # Forward with 3 programs per "SM": 7 trips over 3 programs (2 masked).
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
-    config = triton_ln.TritonLayerNormConfig(block_rows=2, num_warps=4)
+    config = triton_ln.TritonLayerNormConfig(
+        block_rows=2, num_warps=4, programs_per_sm=programs_per_sm)
     op = triton_ln.TritonLayerNorm(
         config=config, vjp=triton_ln.TritonLayerNormVjp(config=config)
     )
@@ -289,8 +294,9 @@ def test_triton_config_validation():
   Config = triton_ln.TritonLayerNormConfig
   assert Config(block_rows=4, num_warps=8).block_rows == 4
   for bad in (dict(block_rows=3), dict(block_rows=0), dict(num_warps=6),
-              dict(num_warps=-4), dict(num_warps=64)):
-    with pytest.raises(Exception, match="block_rows|num_warps"):
+              dict(num_warps=-4), dict(num_warps=64), dict(programs_per_sm=-1),
+              dict(num_stages=0)):
+    with pytest.raises(Exception, match="block_rows|num_warps|programs_per_sm|num_stages"):
       Config(**bad)
 
 
@@ -402,6 +408,21 @@ class TestTritonGpu(LayerNormTestBase):
   implementation = "triton"
   dtypes = (F32, BF16, F16)
   test_hypothesis = _own_hypothesis_test()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, block_rows, warps", [
+    ((8192, 8192), 2, 16), ((65536, 1024), 16, 4), ((1000, 3000), 1, 8)])
+@pytest.mark.parametrize("programs_per_sm", [1, 4])
+def test_triton_gpu_looped_forward(shape, block_rows, warps, programs_per_sm):
+  """The looping forward (programs_per_sm > 0) at real sizes vs f64."""
+  x, scale, offset, _ = make_inputs(shape, -1, True, True, BF16, 8)
+  op = triton_ln.TritonLayerNorm(config=triton_ln.TritonLayerNormConfig(
+      block_rows=block_rows, num_warps=warps, programs_per_sm=programs_per_sm,
+      num_stages=3))
+  y = jax.jit(op)(x, scale, offset)
+  fwd_tol, _ = reference.TOLERANCE[jnp.dtype(BF16)]
+  reference.assert_close(y, reference.layer_norm(x, scale, offset), fwd_tol, "forward")
 
 
 @pytest.mark.gpu

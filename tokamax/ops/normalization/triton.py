@@ -66,10 +66,17 @@ _VALUES_PER_THREAD = 32
 
 @pydantic.dataclasses.dataclass(frozen=True)
 class TritonLayerNormConfig:
-  """Rows per program (a power of 2) and warps per program (4, 8, ...)."""
+  """Rows per program (a power of 2) and warps per program (4, 8, ...).
+
+  programs_per_sm (forward, [R, F] views): 0 launches one program per tile;
+  n > 0 launches about n programs per SM that loop over the tiles, so Triton
+  can load the next tile (num_stages deep) while a tile is normalised.
+  """
 
   block_rows: pydantic.PositiveInt = 1
   num_warps: pydantic.PositiveInt = 4
+  programs_per_sm: pydantic.NonNegativeInt = 0
+  num_stages: pydantic.PositiveInt = 2
 
   @pydantic.field_validator("block_rows", "num_warps")
   @classmethod
@@ -160,10 +167,10 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
     )
 
 
-def _pallas_call(kernel, *, out_shape, grid, config, name):
+def _pallas_call(kernel, *, out_shape, grid, config, name, num_stages=None):
   return pallas_triton.pallas_call(
       kernel, out_shape=out_shape, grid=grid, num_warps=config.num_warps,
-      name=name,
+      num_stages=num_stages, name=name,
   )
 
 
@@ -227,8 +234,9 @@ class _View:
 
 
 def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
-                has_scale, has_offset, save_stats):
-  """One program: `block` vectors of x -> y (+ mean, rstd)."""
+                has_scale, has_offset, save_stats, loop=None):
+  """One program: `block` vectors of x -> y (+ mean, rstd); with `loop` =
+  (programs G, trips) ([R, F] only) the tiles g, g + G, ... of program g."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
@@ -236,31 +244,44 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
   y_ref = refs.pop(0)
   mean_ref = refs.pop(0) if save_stats and subtract_mean else None
   rstd_ref = refs.pop(0) if save_stats else None
+  fa, f = view.fa, view.features
+  w = _load_param(scale_ref, view.fp, f, scale_offset) if has_scale else None
+  bias = _load_param(offset_ref, view.fp, f) if has_offset else None
+
+  def normalise(p, v0):
+    tile, vec_ok, mask = view.tile(p, v0)
+    x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
+    if subtract_mean:
+      mean = jnp.sum(x, axis=fa) / f
+      # Masked features must not contribute (x - mean) to the variance.
+      xc = jnp.where(mask, x - view.per_vector(mean), 0.0)
+    else:
+      xc = x
+    rstd = lax.rsqrt(jnp.sum(xc * xc, axis=fa) / f + epsilon)
+    y = xc * view.per_vector(rstd)
+    if has_scale:
+      y = y * view.per_feature(w)
+    if has_offset:
+      y = y + view.per_feature(bias)
+    pltr.store(y_ref.at[tile], y.astype(y_ref.dtype), mask=mask)
+    if mean_ref is not None:
+      pltr.store(mean_ref.at[view.stat(p, v0)], mean, mask=vec_ok)
+    if rstd_ref is not None:
+      pltr.store(rstd_ref.at[view.stat(p, v0)], rstd, mask=vec_ok)
 
   if view.is_3d:
-    p, v0 = _i32(pl.program_id(0)), _i32(pl.program_id(1) * view.block)
+    normalise(_i32(pl.program_id(0)), _i32(pl.program_id(1) * view.block))
+  elif loop is None:
+    normalise(None, _i32(pl.program_id(0) * view.block))
   else:
-    p, v0 = None, _i32(pl.program_id(0) * view.block)
-  tile, vec_ok, mask = view.tile(p, v0)
-  fa, f = view.fa, view.features
-  x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-  if subtract_mean:
-    mean = jnp.sum(x, axis=fa) / f
-    # Masked features must not contribute (x - mean) to the variance.
-    xc = jnp.where(mask, x - view.per_vector(mean), 0.0)
-  else:
-    xc = x
-  rstd = lax.rsqrt(jnp.sum(xc * xc, axis=fa) / f + epsilon)
-  y = xc * view.per_vector(rstd)
-  if has_scale:
-    y = y * view.per_feature(_load_param(scale_ref, view.fp, f, scale_offset))
-  if has_offset:
-    y = y + view.per_feature(_load_param(offset_ref, view.fp, f))
-  pltr.store(y_ref.at[tile], y.astype(y_ref.dtype), mask=mask)
-  if mean_ref is not None:
-    pltr.store(mean_ref.at[view.stat(p, v0)], mean, mask=vec_ok)
-  if rstd_ref is not None:
-    pltr.store(rstd_ref.at[view.stat(p, v0)], rstd, mask=vec_ok)
+    programs, trips = loop
+    g = _i32(pl.program_id(0))  # read outside the loop (interpret mode)
+
+    def body(k, carry):
+      normalise(None, (g + k * programs) * view.block)
+      return carry
+
+    lax.fori_loop(_i32(0), _i32(trips), body, 0)
 
 
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
@@ -475,17 +496,24 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
     stat = jax.ShapeDtypeStruct(stat_shape, jnp.float32)
     if return_residuals:
       out_shape += [stat, stat] if subtract_mean else [stat]
+    blocks = pl.cdiv(view.vectors, view.block)
+    grid = (view.pre, blocks) if view.is_3d else (blocks,)
+    loop, num_stages = None, None
+    if config.programs_per_sm and not view.is_3d:
+      # Fewest programs that still use `trips` loop trips; tiles past the
+      # last are masked (vectors out of range).
+      trips = pl.cdiv(blocks, min(blocks, _num_sms() * config.programs_per_sm))
+      grid = (pl.cdiv(blocks, trips),)
+      loop, num_stages = (grid[0], trips), config.num_stages
     kernel = functools.partial(
         _fwd_kernel, view=view, epsilon=float(epsilon),
         scale_offset=float(scale_offset), subtract_mean=subtract_mean,
         has_scale=scale is not None, has_offset=offset is not None,
-        save_stats=return_residuals,
+        save_stats=return_residuals, loop=loop,
     )
-    blocks = pl.cdiv(view.vectors, view.block)
-    grid = (view.pre, blocks) if view.is_3d else (blocks,)
     outs = _pallas_call(
         kernel, out_shape=out_shape, grid=grid, config=config,
-        name="tokamax_layer_norm_fwd",
+        name="tokamax_layer_norm_fwd", num_stages=num_stages,
     )(*inputs)
     y = outs[0].reshape(x.shape)
     if not return_residuals:

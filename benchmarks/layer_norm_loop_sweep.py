@@ -1,0 +1,67 @@
+"""Sweeps the looping layer_norm forward (programs_per_sm > 0) on the GPU.
+
+Usage: python benchmarks/layer_norm_loop_sweep.py [OUT_DIR]
+x bf16 8192x8192 and 65536x1024, f32 scale and offset, forward only, TB/s of
+x read + y written: the shipped configs (implementation="triton"), one
+program per tile, and programs looping over tiles with 2-3 pipeline stages;
+XLA and a copy (x + 1) in the same run. Writes layer_norm_loop_sweep.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import common
+import tokamax
+from tokamax._src import benchmarking
+from tokamax.ops.normalization import triton as tr
+
+SHAPES = {(8192, 8192): ((1, 2, 4), (8, 16)), (65536, 1024): ((4, 8, 16), (4, 8))}
+LOOPS = [(0, 2), (1, 2), (1, 3), (2, 2), (2, 3), (4, 2)]  # (programs_per_sm, stages)
+
+
+def _time(f, args):
+  f_std, flat = benchmarking.standardize_function(f, *args, mode="forward")
+  return benchmarking.benchmark(f_std, flat, iterations=20).median_evaluation_time_ms
+
+
+def main(out_dir="."):
+  rows = []
+
+  def record(**r):
+    rows.append(r)
+    print(r, flush=True)
+
+  for (r, f), (blocks, warps) in SHAPES.items():
+    x = jax.ShapeDtypeStruct((r, f), jnp.bfloat16)
+    p = jax.ShapeDtypeStruct((f,), jnp.float32)
+    tb = lambda ms: 2 * r * f * 2 / ms / 1e9
+    for name, fn in (
+        ("xla", lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="xla")),
+        ("triton shipped", lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton")),
+        ("copy", lambda x, s, o: x + 1)):
+      ms = _time(fn, (x, p, p))
+      record(shape=f"{r}x{f}", impl=name, ms=ms, tbps=tb(ms))
+    for block, w, (pps, stages) in itertools.product(blocks, warps, LOOPS):
+      per_thread = block * f / (32 * w)
+      if not 4 <= per_thread <= 64:
+        continue
+      cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w,
+                                     programs_per_sm=pps, num_stages=stages)
+      op = tr.TritonLayerNorm(config=cfg)
+      try:
+        ms = _time(lambda x, s, o: op(x, s, o), (x, p, p))
+      except Exception as e:  # a config may not compile (shared memory)
+        record(shape=f"{r}x{f}", config=str(cfg), error=str(e)[:200])
+        continue
+      record(shape=f"{r}x{f}", block_rows=block, warps=w, programs_per_sm=pps,
+             stages=stages, ms=ms, tbps=tb(ms))
+  common.save(out_dir, "layer_norm_loop_sweep", rows)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
