@@ -147,6 +147,14 @@ if [[ $what == trace ]]; then
   done
   exit
 fi
+if [[ $what == ln_loop ]]; then
+  # Branch exp/ln-loop-forward: the looping layer_norm forward, tests + sweep.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -n 4 -p no:cacheprovider \
+    -m gpu tests/test_layer_norm.py 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
+  timeout 300 python3 benchmarks/layer_norm_loop_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/ln_loop.log" | tail -60
+  exit
+fi
 if [[ $what == ln ]]; then
   python3 benchmarks/layer_norm_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -20
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -20
