@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|kernels|gpu_tests|ship_mosaic|final|ship|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -148,11 +148,13 @@ if [[ $what == trace ]]; then
   exit
 fi
 if [[ $what == ln_loop ]]; then
-  # Branch exp/ln-loop-forward: the looping layer_norm forward, tests + sweep.
+  # layer_norm: the GPU tests, the sweep of looping forward configs, then
+  # the benchmark with the shipped configs (forward and forward+backward).
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -n 4 -p no:cacheprovider \
     -m gpu tests/test_layer_norm.py 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
   timeout 300 python3 benchmarks/layer_norm_loop_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/ln_loop.log" | tail -60
+  python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -20
   exit
 fi
 if [[ $what == ln ]]; then

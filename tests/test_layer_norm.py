@@ -301,17 +301,24 @@ def test_triton_config_validation():
 
 
 @pytest.mark.parametrize("rows, features, itemsize, expected", [
-    (8192, 8192, 2, (1, 16)),
-    (65536, 1024, 2, (8, 8)),
-    (132, 96, 4, (32, 4)),
-    (3, 77, 2, (4, 4)),
-    (7, 16384, 4, (1, 16)),
+    (8192, 8192, 2, (1, 16, 2)),
+    (65536, 1024, 2, (8, 8, 0)),
+    (132, 96, 4, (32, 4, 0)),
+    (3, 77, 2, (4, 4, 0)),
+    (7, 16384, 4, (1, 16, 2)),
 ])
 def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
+  """(block_rows, warps, programs_per_sm): the forward loops over row tiles
+  where the f32 scale/offset outweigh a tile of x (1-row tiles)."""
   h = triton_ln.heuristic_config(rows, features, itemsize)
-  assert (h.block_rows, h.num_warps) == expected
+  assert (h.block_rows, h.num_warps, h.programs_per_sm) == expected
+  assert triton_ln.heuristic_config(rows, features, itemsize, backward=True).programs_per_sm == 0
   space = triton_ln.search_space(rows, features, itemsize)
+  assert h in space
   assert all(c.block_rows <= max(1, 2 * rows) for c in space)
+  assert {c.programs_per_sm for c in space} == {0, 2}
+  assert {c.programs_per_sm for c in triton_ln.search_space(
+      rows, features, itemsize, backward=True)} == {0}
   if rows >= 64:
     assert len(space) >= 3
 

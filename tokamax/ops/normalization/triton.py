@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -59,9 +60,6 @@ MAX_FEATURES = 16384
 # backward keeps ~4 such tiles live).
 _TARGET_BYTES = 32 * 1024
 _VALUES_PER_THREAD = 32
-
-
-
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -126,8 +124,17 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
   warps = _warps_for(fp)
   block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
   block_rows = min(block_rows, _prev_pow2(_VALUES_PER_THREAD * 32 * warps // fp))
-  block_rows = min(block_rows, _next_pow2(rows))
-  return TritonLayerNormConfig(block_rows=max(1, block_rows), num_warps=warps)
+  block_rows = max(1, min(block_rows, _next_pow2(rows)))
+  return TritonLayerNormConfig(
+      block_rows=block_rows, num_warps=warps,
+      programs_per_sm=0 if backward else _programs_per_sm(block_rows, itemsize))
+
+
+def _programs_per_sm(block_rows: int, itemsize: int) -> int:
+  """Forward [R, F]: loop (2 programs per SM) where the f32 scale and offset
+  (8 bytes per feature) outweigh a tile of x, as for 1-row tiles at F = 8192
+  (3.25 against 2.3 TB/s one program per tile on the H200, docs/benchmarks.md)."""
+  return 2 if block_rows * itemsize < 8 else 0
 
 
 def search_space(rows: int, features: int, itemsize: int, post: int = 1,
@@ -140,10 +147,12 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
   for block_rows in (h.block_rows // 2, h.block_rows, 2 * h.block_rows, 4 * h.block_rows):
     if block_rows < 1 or block_rows > limit:
       continue
-    for warps in (4, 8, 16):
+    for warps, pps in itertools.product(
+        (4, 8, 16), (0,) if backward or post > 1 else (0, 2)):
       per_thread = block_rows * fp / (32 * warps)
       if 4 <= per_thread <= 64:
-        configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps))
+        configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps,
+                                          programs_per_sm=pps))
   return configs
 
 
@@ -245,10 +254,15 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
   mean_ref = refs.pop(0) if save_stats and subtract_mean else None
   rstd_ref = refs.pop(0) if save_stats else None
   fa, f = view.fa, view.features
-  w = _load_param(scale_ref, view.fp, f, scale_offset) if has_scale else None
-  bias = _load_param(offset_ref, view.fp, f) if has_offset else None
 
-  def normalise(p, v0):
+  def scale():
+    return _load_param(scale_ref, view.fp, f, scale_offset) if has_scale else None
+
+  def offset():
+    return _load_param(offset_ref, view.fp, f) if has_offset else None
+
+  def normalise(p, v0, w_bias=None):
+    """One tile; scale/offset loaded where used unless given (`w_bias`)."""
     tile, vec_ok, mask = view.tile(p, v0)
     x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
     if subtract_mean:
@@ -260,9 +274,9 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
     rstd = lax.rsqrt(jnp.sum(xc * xc, axis=fa) / f + epsilon)
     y = xc * view.per_vector(rstd)
     if has_scale:
-      y = y * view.per_feature(w)
+      y = y * view.per_feature(scale() if w_bias is None else w_bias[0])
     if has_offset:
-      y = y + view.per_feature(bias)
+      y = y + view.per_feature(offset() if w_bias is None else w_bias[1])
     pltr.store(y_ref.at[tile], y.astype(y_ref.dtype), mask=mask)
     if mean_ref is not None:
       pltr.store(mean_ref.at[view.stat(p, v0)], mean, mask=vec_ok)
@@ -276,9 +290,12 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
   else:
     programs, trips = loop
     g = _i32(pl.program_id(0))  # read outside the loop (interpret mode)
+    # scale/offset once per program: at F = 8192 they are 4x a 1-row bf16
+    # tile, re-read per tile otherwise.
+    w_bias = scale(), offset()
 
     def body(k, carry):
-      normalise(None, (g + k * programs) * view.block)
+      normalise(None, (g + k * programs) * view.block, w_bias)
       return carry
 
     lax.fori_loop(_i32(0), _i32(trips), body, 0)
