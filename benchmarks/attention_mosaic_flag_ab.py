@@ -1,0 +1,59 @@
+"""A/B of a compile-time switch of the "mosaic" attention module (GPU).
+
+Usage: python benchmarks/attention_mosaic_flag_ab.py [OUT_DIR] [FLAG]
+FLAG is a module-level bool of tokamax.ops.attention.mosaic (default
+SUM_UNDER_PV). At the benchmark shapes: cuDNN (jax.nn) forward and
+forward+backward, then implementation="mosaic" with the switch off and on,
+alternating twice (cupti, median of 20 each), bf16 random inputs. Writes
+attention_mosaic_flag_ab.json.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import common
+from tokamax._src import benchmarking
+from tokamax.ops.attention import mosaic as mo
+import tokamax
+
+SHAPES = {  # label: ((B, T, N, K, H), causal flags)
+    "seed B32 T2048 N16 H64": ((32, 2048, 16, 16, 64), (False, True)),
+    "B8 T4096 N16 H128": ((8, 4096, 16, 16, 128), (False, True)),
+    "GQA B4 T4096 N32 K8 H128": ((4, 4096, 32, 8, 128), (True,)),
+}
+
+
+def _time(f, specs, mode):
+  f_std, flat = benchmarking.standardize_function(f, *specs, mode=mode)
+  return benchmarking.benchmark(f_std, flat, iterations=20).median_evaluation_time_ms
+
+
+def main(out_dir=".", flag="SUM_UNDER_PV"):
+  rows = []
+  default = getattr(mo, flag)
+  for label, ((b, t, n, kh, h), causals) in SHAPES.items():
+    q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
+    for causal in causals:
+      row = dict(shape=label, causal=causal)
+      cud = lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="cudnn")
+      for mode in ("forward", "forward_and_vjp"):
+        row[f"cudnn_{mode}_ms"] = _time(cud, (q, kv, kv), mode)
+        for rep, value in enumerate((False, True, False, True)):
+          setattr(mo, flag, value)
+          f = lambda q, k, v: tokamax.dot_product_attention(
+              q, k, v, is_causal=causal, implementation="mosaic")
+          row[f"{flag}={value}_{mode}_ms_{rep // 2}"] = _time(f, (q, kv, kv), mode)
+        setattr(mo, flag, default)
+      rows.append(row)
+      print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+  common.save(out_dir, "attention_mosaic_flag_ab", rows)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
