@@ -1,15 +1,16 @@
 """A/B of a compile-time switch of the "mosaic" attention module (GPU).
 
-Usage: python benchmarks/attention_mosaic_flag_ab.py [OUT_DIR] [FLAG]
-FLAG is a module-level bool of tokamax.ops.attention.mosaic (default
-SUM_UNDER_PV). At the benchmark shapes: cuDNN (jax.nn) forward and
-forward+backward, then implementation="mosaic" with the switch off and on,
-alternating twice (cupti, median of 20 each), bf16 random inputs. Writes
-attention_mosaic_flag_ab.json.
+Usage: python benchmarks/attention_mosaic_flag_ab.py [OUT_DIR] [FLAG] [A,B] [MODES]
+FLAG is a module-level constant of tokamax.ops.attention.mosaic (default
+SUM_UNDER_PV), A,B two Python literals for it (default False,True), MODES
+"forward" or "forward,forward_and_vjp" (default). At the benchmark shapes:
+cuDNN (jax.nn), then implementation="mosaic" with FLAG = A, B, A, B (cupti,
+median of 20 each), bf16 random inputs. Writes attention_mosaic_flag_ab.json.
 """
 
 from __future__ import annotations
 
+import ast
 import sys
 
 import jax
@@ -32,19 +33,21 @@ def _time(f, specs, mode):
   return benchmarking.benchmark(f_std, flat, iterations=20).median_evaluation_time_ms
 
 
-def main(out_dir=".", flag="SUM_UNDER_PV"):
+def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
+         modes="forward,forward_and_vjp"):
+  a, b = (ast.literal_eval(v) for v in values.split(","))
   rows = []
   default = getattr(mo, flag)
-  for label, ((b, t, n, kh, h), causals) in SHAPES.items():
-    q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
+  for label, ((batch, t, n, kh, h), causals) in SHAPES.items():
+    q = jax.ShapeDtypeStruct((batch, t, n, h), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, t, kh, h), jnp.bfloat16)
     for causal in causals:
       row = dict(shape=label, causal=causal)
       cud = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")
-      for mode in ("forward", "forward_and_vjp"):
+      for mode in modes.split(","):
         row[f"cudnn_{mode}_ms"] = _time(cud, (q, kv, kv), mode)
-        for rep, value in enumerate((False, True, False, True)):
+        for rep, value in enumerate((a, b, a, b)):
           setattr(mo, flag, value)
           f = lambda q, k, v: tokamax.dot_product_attention(
               q, k, v, is_causal=causal, implementation="mosaic")
