@@ -3,7 +3,8 @@
 Usage: python benchmarks/layer_norm_loop_sweep.py [OUT_DIR]
 x bf16 8192x8192 and 65536x1024, f32 scale and offset, forward only, TB/s of
 x read + y written: the shipped configs (implementation="triton"), one
-program per tile, and programs looping over tiles with 2-3 pipeline stages;
+program per tile, and programs looping over tiles (LOOP_PREFETCH in
+DEPTHS: tiles loaded that many trips ahead of the one normalised);
 XLA and a copy (x + 1) in the same run. Writes layer_norm_loop_sweep.json.
 """
 
@@ -20,8 +21,9 @@ import tokamax
 from tokamax._src import benchmarking
 from tokamax.ops.normalization import triton as tr
 
-SHAPES = {(8192, 8192): ((1, 2, 4), (8, 16)), (65536, 1024): ((4, 8, 16), (4, 8))}
-LOOPS = [(0, 2), (1, 2), (1, 3), (2, 2), (2, 3), (4, 2)]  # (programs_per_sm, stages)
+SHAPES = {(8192, 8192): ((1, 2), (8, 16)), (65536, 1024): ((4, 8), (4, 8, 16))}
+LOOPS = [(0, 2), (1, 2), (2, 2), (4, 2), (8, 2)]  # (programs_per_sm, stages)
+DEPTHS = (0, 1, 2)  # LOOP_PREFETCH values tried for looping configs
 
 
 def _time(f, args):
@@ -36,6 +38,7 @@ def main(out_dir="."):
     rows.append(r)
     print(r, flush=True)
 
+  default = tr.LOOP_PREFETCH
   for (r, f), (blocks, warps) in SHAPES.items():
     x = jax.ShapeDtypeStruct((r, f), jnp.bfloat16)
     p = jax.ShapeDtypeStruct((f,), jnp.float32)
@@ -46,10 +49,12 @@ def main(out_dir="."):
         ("copy", lambda x, s, o: x + 1)):
       ms = _time(fn, (x, p, p))
       record(shape=f"{r}x{f}", impl=name, ms=ms, tbps=tb(ms))
-    for block, w, (pps, stages) in itertools.product(blocks, warps, LOOPS):
+    for block, w, (pps, stages), prefetch in itertools.product(
+        blocks, warps, LOOPS, DEPTHS):
       per_thread = block * f / (32 * w)
-      if not 4 <= per_thread <= 64:
+      if not 4 <= per_thread <= 64 or (prefetch and not pps):
         continue
+      tr.LOOP_PREFETCH = prefetch
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w,
                                      programs_per_sm=pps, num_stages=stages)
       op = tr.TritonLayerNorm(config=cfg)
@@ -59,7 +64,8 @@ def main(out_dir="."):
         record(shape=f"{r}x{f}", config=str(cfg), error=str(e)[:200])
         continue
       record(shape=f"{r}x{f}", block_rows=block, warps=w, programs_per_sm=pps,
-             stages=stages, ms=ms, tbps=tb(ms))
+             stages=stages, prefetch_depth=prefetch, ms=ms, tbps=tb(ms))
+    tr.LOOP_PREFETCH = default
   common.save(out_dir, "layer_norm_loop_sweep", rows)
 
 

@@ -241,6 +241,30 @@ class AttentionTestBase:
       assert not dbias.search(str(jax.make_jaxpr(jax.grad(loss))(args, bias)))
       assert dbias.search(str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(args, bias)))
 
+  def test_row_max_jumping_along_keys(self):
+    """Keys scaled up then down along S: a row's running max grows by more
+    than 2^8 between key blocks for some rows and not for others (the lazy
+    rescaling's two branches), then never again."""
+    dtype = self.dtypes[0]
+    kq, kk, kv, kc = jax.random.split(jax.random.key(self.seed + 5), 4)
+    b, t, s, n, h = 1, 96, 520, 2, 128
+    ramp = 1.0 + 5.0 * jnp.minimum(jnp.arange(s), s - jnp.arange(s)) / (s / 2)
+    args = dict(
+        query=jax.random.normal(kq, (b, t, n, h), F32).astype(dtype),
+        key=(jax.random.normal(kk, (b, s, n, h), F32) * ramp[:, None, None]).astype(dtype),
+        value=jax.random.normal(kv, (b, s, n, h), F32).astype(dtype),
+    )
+    fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
+    out = jax.jit(self.attention)(**args)
+    reference.assert_close(out, reference.attention(**args), fwd_tol, "forward")
+    ct = jax.random.normal(kc, out.shape, F32)
+    grads = jax.jit(jax.grad(
+        lambda d: jnp.sum(self.attention(**d).astype(F32) * ct)))(args)
+    ref_grads = jax.grad(lambda d: jnp.sum(reference.attention(**d) * ct))(
+        {k: reference.f64(a) for k, a in args.items()})
+    for name in args:
+      reference.assert_close(grads[name], ref_grads[name], grad_tol, f"d{name}")
+
   fresh_feature = "combined"  # the widest feature set the implementation runs
 
   def test_fresh_inputs_each_seed(self):

@@ -235,16 +235,19 @@ class TestTritonInterpret(LayerNormTestBase):
     with pytest.raises(NotImplementedError, match="triton.*16384"):
       jax.eval_shape(self.layer_norm, x)
 
-  @pytest.mark.parametrize("programs_per_sm", [0, 2, 3])
+  @pytest.mark.parametrize("programs_per_sm, prefetch", [
+      (0, 1), (2, 1), (3, 0), (3, 1), (3, 2)])
   @pytest.mark.parametrize("subtract_mean", [True, False])
   def test_pinned_config_masked_rows_and_loop(self, monkeypatch, subtract_mean,
-                                              programs_per_sm):
+                                              programs_per_sm, prefetch):
     """block_rows not dividing R, F not a power of 2, >1 backward loop trip;
-    a looping forward (programs_per_sm > 0) with trips past the last tile."""
+    a looping forward (programs_per_sm > 0) with trips past the last tile,
+    loading 0-2 tiles ahead (LOOP_PREFETCH)."""
     # With 1 "SM" and 4 warps at most 8 backward programs: 19 row blocks of
     # 2 rows -> 3 loop trips over 7 programs (the last ones partly masked).
     # Forward with 3 programs per "SM": 7 trips over 3 programs (2 masked).
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
+    monkeypatch.setattr(triton_ln, "LOOP_PREFETCH", prefetch)
     config = triton_ln.TritonLayerNormConfig(
         block_rows=2, num_warps=4, programs_per_sm=programs_per_sm)
     op = triton_ln.TritonLayerNorm(
@@ -301,11 +304,11 @@ def test_triton_config_validation():
 
 
 @pytest.mark.parametrize("rows, features, itemsize, expected", [
-    (8192, 8192, 2, (1, 16, 2)),
+    (8192, 8192, 2, (1, 16, 1)),
     (65536, 1024, 2, (8, 8, 0)),
     (132, 96, 4, (32, 4, 0)),
     (3, 77, 2, (4, 4, 0)),
-    (7, 16384, 4, (1, 16, 2)),
+    (7, 16384, 4, (1, 16, 1)),
 ])
 def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
   """(block_rows, warps, programs_per_sm): the forward loops over row tiles
@@ -316,7 +319,7 @@ def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
   space = triton_ln.search_space(rows, features, itemsize)
   assert h in space
   assert all(c.block_rows <= max(1, 2 * rows) for c in space)
-  assert {c.programs_per_sm for c in space} == {0, 2}
+  assert {c.programs_per_sm for c in space} == {0, 1, 2, 4}
   assert {c.programs_per_sm for c in triton_ln.search_space(
       rows, features, itemsize, backward=True)} == {0}
   if rows >= 64:

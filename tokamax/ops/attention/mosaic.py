@@ -49,10 +49,16 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pydantic
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import arith, scf, vector
+# nvvm (warp vote) is not re-exported by jax.extend.
+from jax._src.lib.mlir.dialects import nvvm
 
 from tokamax._src import op as op_lib
 from tokamax._src import pallas_mosaic
@@ -70,6 +76,14 @@ _M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never NaN
 # H200: 1.1-1.5 % faster at H128, 4 % slower at H64 (docs/benchmarks.md).
 # GPU path only; benchmarks/attention_mosaic_flag_ab.py flips it.
 SUM_UNDER_PV = True
+# Forward, value head dims >= 128: exponentials against the previous running
+# max while the tile's row max is reduced; a warp whose rows' max grew by more
+# than _RESCALE_TAU (log2 units, so P <= 2^8) recomputes them and rescales O,
+# the others skip the O rescale (lazy rescaling, FA4). The interpreter runs
+# the same math branch-free. H200: 0.6-1.6 % faster at H128, 2-4 % slower at
+# H64 (docs/benchmarks.md), so H64 keeps the plain step.
+LAZY_RESCALE = True
+_RESCALE_TAU = 8.0
 # Registers per thread (of 512 per SM quadrant budget / 3 WGs): the producer
 # only issues TMA; consumers hold S, P and the O accumulator.
 _PRODUCER_REGS = 40
@@ -228,6 +242,72 @@ def _visible(sp, positions, q_lim, kv_lim, mask):
 # --- the kernel ------------------------------------------------------------------
 
 
+def _lazy_softmax(z, m, l, acc, raw, interpret: bool):
+  """One forward step's softmax with lazy rescaling (FA4's threshold rule).
+
+  z [bq, bk]: base-2 logits, or raw q.k when `raw` (log2(e) * scale) is
+  given; m, l [bq]: running max and sum; acc [bq, hvp]: the O accumulator.
+  Returns (p, m', l', acc'): m' is m unless the tile's row max exceeds it by
+  more than _RESCALE_TAU, then the new max; p = exp2(c z - m') <= 2^tau;
+  l', acc' are l, acc times exp2(m - m') (this step's row sums not added).
+  On the GPU, p is first computed against the old m, overlapping the row-max
+  reduction, and a warp recomputes its rows only when one of them grew past
+  the threshold (rows of a WGMMA tile belong to one warp).
+  """
+  c = 1.0 if raw is None else raw
+  if interpret:  # the same math without the branch (no inline_mgpu there)
+    m_new = jnp.maximum(m, z.max(axis=1) * c)
+    m_use = jnp.where(m_new > m + _RESCALE_TAU, m_new, m)
+    p = jnp.exp2(z * c - lax.broadcast_in_dim(m_use, z.shape, [0]))
+    alpha = jnp.exp2(m - m_use)
+    return p, m_use, l * alpha, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+  wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+  out_types = tuple(
+      plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout)
+      for x, layout in ((z, wgmma), (m, row), (l, row), (acc, wgmma)))
+
+  @plgpu.inline_mgpu(arg_types=(wgmma, row, row, wgmma), return_type=out_types)
+  def run(_, z, m, l, acc):
+    def probs(ref):
+      ref = ref.broadcast_in_dim(z.shape, (0,), z.layout)
+      return ((z * c if raw is not None else z) - ref).exp2(approx=True)
+
+    p_fast = probs(m)  # needs no row max: overlaps its reduction below
+    z_max = z.reduce("max", 1)
+    m_new = m.max(z_max * c if raw is not None else z_max)
+    grow = m_new > m + _RESCALE_TAU
+    m_use = grow.select(m_new, m)
+    flag = None
+    for reg in grow.registers.flat:
+      for i in range(ir.VectorType(reg.type).shape[0]):
+        e = vector.extract(reg, dynamic_position=[], static_position=[i])
+        flag = e if flag is None else arith.ori(flag, e)
+    flag = nvvm.vote_sync(mgpu.utils.c(0xFFFFFFFF, ir.IntegerType.get_signless(32)),
+                          flag, "any")
+    keep = (p_fast, l, acc)
+    regs = [r for x in keep for r in x.registers.flat]
+    branch = scf.IfOp(flag, [r.type for r in regs], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
+      alpha = (m - m_use).exp2(approx=True)
+      redo = (probs(m_use), l * alpha,
+              acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout))
+      scf.yield_([r for x in redo for r in x.registers.flat])
+    with ir.InsertionPoint(branch.else_block):
+      scf.yield_(regs)
+    results, out = list(branch.results), []
+    for x in keep:
+      n = x.registers.size
+      out.append(mgpu.FragmentedArray(
+          _registers=np.array(results[:n], dtype=object).reshape(x.registers.shape),
+          _layout=x.layout, _is_signed=x.is_signed))
+      results = results[n:]
+    p, l, acc = out
+    return p, m_use, l, acc
+
+  return run(z, m, l, acc)
+
+
 def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
                 save_lse: bool, interpret: bool):
   it = iter(refs)
@@ -273,8 +353,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     acc = plgpu.layout_cast(jnp.zeros((bq, hvp), jnp.float32), plgpu.Layout.WGMMA)
     raw = triton.raw_scale(sp)
 
-    def logits_and_max(qk, j, m, masked, bias, mask):
-      """Base-2 logits (or raw q.k when `raw`) and the new running max."""
+    def logits(qk, j, masked, bias, mask):
+      """Base-2 logits (or raw q.k when `raw`), -inf where not visible."""
       if raw is None:
         z = qk * sp.scale
         if bias is not None:
@@ -294,10 +374,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       vis = _visible(sp, positions, q_lim, kv_lim, mask)
       if vis is not None:
         z = jnp.where(vis, z, -jnp.inf)
-      z_max = z.max(axis=1)
-      if raw is not None:
-        z_max = z_max * raw
-      return z, jnp.maximum(m, z_max)
+      return z
 
     def wait_next_k(j):
       # Step j + 1's keys: waited while step j's P V runs (FA3, Sec. 3.1).
@@ -341,12 +418,17 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       bias, mask = tiles
       with jax.named_scope("softmax"):
         plgpu.barrier_arrive(k_free.at[slot])
-        z, m_new = logits_and_max(qk, j, m, mode == "masked", bias, mask)
-        m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
-        p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
-        alpha = jnp.exp2(m - m_new)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l = l * alpha
+        z = logits(qk, j, mode == "masked", bias, mask)
+        if LAZY_RESCALE and hvp >= 128:
+          p, m_new, l, acc = _lazy_softmax(z, m, l, acc, raw, interpret)
+        else:
+          z_max = z.max(axis=1)
+          m_new = jnp.maximum(m, z_max * raw if raw is not None else z_max)
+          m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
+          p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
+          alpha = jnp.exp2(m - m_new)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l = l * alpha
         p16 = p.astype(dtype)
       # Instruction order matters for overlap (the ordering of JAX's FA3
       # example): with small accumulators finish the softmax before

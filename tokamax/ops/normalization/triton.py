@@ -58,6 +58,12 @@ MAX_FEATURES = 16384
 # Heuristic targets: bytes a forward program moves (x read + y written), and
 # f32 values per thread in one [block_rows, Fp] tile (register budget; the
 # backward keeps ~4 such tiles live).
+# Looping forward: tiles loaded this many trips ahead of the one normalised
+# (so depth + 1 tiles in flight per program; num_stages does not make Triton
+# pipeline these loads). H200: 8192^2 3.24 -> 3.48 TB/s, 65536x1024 3.67 ->
+# 3.81 at depth 1 (docs/benchmarks.md); benchmarks/layer_norm_loop_sweep.py
+# sweeps it.
+LOOP_PREFETCH = 1
 _TARGET_BYTES = 32 * 1024
 _VALUES_PER_THREAD = 32
 
@@ -67,8 +73,8 @@ class TritonLayerNormConfig:
   """Rows per program (a power of 2) and warps per program (4, 8, ...).
 
   programs_per_sm (forward, [R, F] views): 0 launches one program per tile;
-  n > 0 launches about n programs per SM that loop over the tiles, so Triton
-  can load the next tile (num_stages deep) while a tile is normalised.
+  n > 0 launches about n programs per SM that loop over the tiles, loading
+  scale/offset once and the next tile while a tile is normalised.
   """
 
   block_rows: pydantic.PositiveInt = 1
@@ -131,10 +137,11 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
 
 
 def _programs_per_sm(block_rows: int, itemsize: int) -> int:
-  """Forward [R, F]: loop (2 programs per SM) where the f32 scale and offset
+  """Forward [R, F]: loop (1 program per SM) where the f32 scale and offset
   (8 bytes per feature) outweigh a tile of x, as for 1-row tiles at F = 8192
-  (3.25 against 2.3 TB/s one program per tile on the H200, docs/benchmarks.md)."""
-  return 2 if block_rows * itemsize < 8 else 0
+  (1 row, 16 warps on the H200: 3.28 TB/s, 2 per SM 3.20, one program per
+  tile 2.22; docs/benchmarks.md)."""
+  return 1 if block_rows * itemsize < 8 else 0
 
 
 def search_space(rows: int, features: int, itemsize: int, post: int = 1,
@@ -148,7 +155,7 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
     if block_rows < 1 or block_rows > limit:
       continue
     for warps, pps in itertools.product(
-        (4, 8, 16), (0,) if backward or post > 1 else (0, 2)):
+        (4, 8, 16), (0,) if backward or post > 1 else (0, 1, 2, 4)):
       per_thread = block_rows * fp / (32 * warps)
       if 4 <= per_thread <= 64:
         configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps,
@@ -261,10 +268,15 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
   def offset():
     return _load_param(offset_ref, view.fp, f) if has_offset else None
 
-  def normalise(p, v0, w_bias=None):
-    """One tile; scale/offset loaded where used unless given (`w_bias`)."""
+  def load_x(p, v0):
+    tile, _, mask = view.tile(p, v0)
+    return pltr.load(x_ref.at[tile], mask=mask, other=0.0)
+
+  def normalise(p, v0, w_bias=None, x=None):
+    """One tile; scale/offset loaded where used unless given (`w_bias`), x
+    loaded here unless given."""
     tile, vec_ok, mask = view.tile(p, v0)
-    x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
+    x = (load_x(p, v0) if x is None else x).astype(jnp.float32)
     if subtract_mean:
       mean = jnp.sum(x, axis=fa) / f
       # Masked features must not contribute (x - mean) to the variance.
@@ -294,11 +306,21 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
     # tile, re-read per tile otherwise.
     w_bias = scale(), offset()
 
-    def body(k, carry):
-      normalise(None, (g + k * programs) * view.block, w_bias)
-      return carry
+    v0 = lambda k: (g + k * programs) * view.block
+    if LOOP_PREFETCH:
+      def body(k, xs):  # xs: tiles k .. k + depth - 1
+        x_next = load_x(None, v0(k + LOOP_PREFETCH))  # past the end: masked, no traffic
+        normalise(None, v0(k), w_bias, xs[0])
+        return (*xs[1:], x_next)
 
-    lax.fori_loop(_i32(0), _i32(trips), body, 0)
+      first = tuple(load_x(None, v0(_i32(i))) for i in range(LOOP_PREFETCH))
+      lax.fori_loop(_i32(0), _i32(trips), body, first)
+    else:
+      def body(k, carry):
+        normalise(None, v0(k), w_bias)
+        return carry
+
+      lax.fori_loop(_i32(0), _i32(trips), body, 0)
 
 
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
