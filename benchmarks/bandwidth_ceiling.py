@@ -4,9 +4,9 @@ Usage: python benchmarks/bandwidth_ceiling.py [OUT_DIR]
 x bf16 8192x8192 and 65536x1024: a Pallas:Triton copy y = x (tiles of
 `rows` x F, `warps` warps, eviction hint none or evict_first on the load and
 the store), XLA's copy (x + 1), and the "triton" layer_norm forward (f32
-scale and offset, shipped config). TB/s of x read + y written (cupti, median of 20). Writes
-bandwidth_ceiling.json: the ceiling against which layer_norm's 3.9 TB/s
-target (issue #4) is judged.
+scale and offset, shipped config). TB/s of x read + y written (cupti,
+median of 20). Writes bandwidth_ceiling.json: the ceiling against which
+layer_norm's 3.9 TB/s target (issue #4) is judged.
 """
 
 from __future__ import annotations

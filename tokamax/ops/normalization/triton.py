@@ -55,15 +55,15 @@ _i32 = pallas_triton.i32
 
 
 MAX_FEATURES = 16384
-# Heuristic targets: bytes a forward program moves (x read + y written), and
-# f32 values per thread in one [block_rows, Fp] tile (register budget; the
-# backward keeps ~4 such tiles live).
 # Looping forward: tiles loaded this many trips ahead of the one normalised
 # (so depth + 1 tiles in flight per program; num_stages does not make Triton
 # pipeline these loads). H200: 8192^2 3.24 -> 3.48 TB/s, 65536x1024 3.67 ->
 # 3.81 at depth 1 (docs/benchmarks.md); benchmarks/layer_norm_loop_sweep.py
 # sweeps it.
 LOOP_PREFETCH = 1
+# Heuristic targets: bytes a forward program moves (x read + y written), and
+# f32 values per thread in one [block_rows, Fp] tile (register budget; the
+# backward keeps ~4 such tiles live).
 _TARGET_BYTES = 32 * 1024
 _VALUES_PER_THREAD = 32
 
@@ -307,20 +307,15 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
     w_bias = scale(), offset()
 
     v0 = lambda k: (g + k * programs) * view.block
-    if LOOP_PREFETCH:
-      def body(k, xs):  # xs: tiles k .. k + depth - 1
-        x_next = load_x(None, v0(k + LOOP_PREFETCH))  # past the end: masked, no traffic
-        normalise(None, v0(k), w_bias, xs[0])
-        return (*xs[1:], x_next)
 
-      first = tuple(load_x(None, v0(_i32(i))) for i in range(LOOP_PREFETCH))
-      lax.fori_loop(_i32(0), _i32(trips), body, first)
-    else:
-      def body(k, carry):
-        normalise(None, v0(k), w_bias)
-        return carry
+    def body(k, ahead):  # ahead: tiles k .. k + LOOP_PREFETCH - 1, loaded
+      # Tile k + LOOP_PREFETCH first (past the end: masked, no traffic).
+      xs = (*ahead, load_x(None, v0(k + LOOP_PREFETCH)))
+      normalise(None, v0(k), w_bias, xs[0])
+      return xs[1:]
 
-      lax.fori_loop(_i32(0), _i32(trips), body, 0)
+    first = tuple(load_x(None, v0(_i32(i))) for i in range(LOOP_PREFETCH))
+    lax.fori_loop(_i32(0), _i32(trips), body, first)
 
 
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
