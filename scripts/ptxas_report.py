@@ -1,7 +1,7 @@
 """Compiles the "mosaic" attention forward on the GPU with Mosaic GPU's
 ptxas report switched on: registers, spills and warnings such as C7513
 (wgmma instructions serialised). Usage on the GPU machine:
-  python scripts/ptxas_report.py [B T N H] > report.txt"""
+  python scripts/ptxas_report.py [B T N H [BLOCK_Q BLOCK_KV STAGES]] > report.txt"""
 
 import os
 import sys
@@ -14,7 +14,12 @@ import jax.numpy as jnp  # noqa: E402
 from tokamax.ops.attention import mosaic as mo  # noqa: E402
 
 b, t, n, h = map(int, sys.argv[1:5]) if len(sys.argv) > 4 else (1, 1024, 2, 64)
+config = None
+if len(sys.argv) > 7:
+  bq, bk, stages = map(int, sys.argv[5:8])
+  config = mo.MosaicAttentionConfig(block_q=bq, block_kv=bk, num_stages=stages)
 q = jnp.ones((b, t, n, h), jnp.bfloat16)
 for causal in (False, True):
-  print(f"===== B{b} T{t} N{n} H{h} causal={causal} =====", flush=True)
-  jax.jit(lambda q: mo.MosaicDotProductAttention()(q, q, q, is_causal=causal)).lower(q).compile()
+  print(f"===== B{b} T{t} N{n} H{h} causal={causal} {config} =====", flush=True)
+  op = mo.MosaicDotProductAttention(config=config)
+  jax.jit(lambda q: op(q, q, q, is_causal=causal)).lower(q).compile()

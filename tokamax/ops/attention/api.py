@@ -18,8 +18,8 @@ dispatch.register(_OP, "mosaic", mosaic.MosaicDotProductAttention)
 
 def _default_order(target: platform.Target) -> list[str]:
   # Measured on the H200 (docs/benchmarks.md): cuDNN is fastest where it runs;
-  # "mosaic" (Hopper only, bf16/f16, no bias/mask) is faster than "triton",
-  # which takes the rest (f32, bias/mask with soft cap or windows, sm80).
+  # "mosaic" (Hopper only, bf16/f16) is faster than "triton", which takes the
+  # rest (f32, GPUs other than Hopper).
   if target.is_nvidia_gpu:
     return ["cudnn", "mosaic", "triton", "xla"]
   return ["xla"]

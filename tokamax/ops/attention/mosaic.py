@@ -227,16 +227,37 @@ def _tile_loader(sp, bias_ref, mask_ref, b, r0, block: int, last: int, shape):
   return load
 
 
-def _visible(sp, positions, q_lim, kv_lim, mask):
-  """Bool tile of the visible (row, key) pairs, or None if all are: the
-  positional rules where `positions` = (rows, keys) is given ("masked"
-  blocks) and the bool mask tile everywhere."""
-  vis = None
-  if positions is not None:
-    vis = triton.positional(sp, *positions, q_lim, kv_lim)
-  if mask is not None:
-    vis = (mask != 0) if vis is None else vis & (mask != 0)
+def _row_band(sp, r0, c0, shape, q_lim, kv_lim):
+  """Bool tile [rows, keys] (WGMMA layout) of the positional rules (lengths,
+  causal/window; `triton.positional`) for the query-major block at rows r0..,
+  keys c0..
+
+  The rules are folded into per-row bounds on the key offset first, so a
+  tile element costs one compare (two with a left window) against a
+  broadcast bound instead of two position tiles and three compares: at 128
+  rows per warpgroup the latter spilled registers in the forward's masked
+  steps (H200 ptxas, docs/benchmarks.md)."""
+  rows = r0 + plgpu.broadcasted_iota(
+      jnp.int32, shape[:1], 0, layout=plgpu.Layout.WGMMA.reduce(1))
+  last = kv_lim - 1  # the last visible key of a row
+  if sp.right is not None:
+    last = jnp.minimum(last, rows + sp.right)
+  last = jnp.where(rows < q_lim, last, -1) - c0
+  offsets = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  vis = offsets <= lax.broadcast_in_dim(last, shape, [0])
+  if sp.left is not None:
+    first = rows - (sp.left + c0)
+    vis = vis & (offsets >= lax.broadcast_in_dim(first, shape, [0]))
   return vis
+
+
+def _visible(band, mask):
+  """Bool tile of the visible (row, key) pairs, or None if all are: the
+  positional `band` ("masked" blocks; None elsewhere) and the bool mask
+  tile."""
+  if mask is None:
+    return band
+  return (mask != 0) if band is None else band & (mask != 0)
 
 
 # --- the kernel ------------------------------------------------------------------
@@ -364,14 +385,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
         z = z * LOG2E
       else:
         z = qk
-      positions = None
-      if masked:
-        positions = (
-            r0 + plgpu.broadcasted_iota(
-                jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA),
-            j * bk + plgpu.broadcasted_iota(
-                jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA))
-      vis = _visible(sp, positions, q_lim, kv_lim, mask)
+      band = _row_band(sp, r0, j * bk, (bq, bk), q_lim, kv_lim) if masked else None
+      vis = _visible(band, mask)
       if vis is not None:
         z = jnp.where(vis, z, -jnp.inf)
       return z
@@ -694,9 +709,9 @@ def _accumulate(acc, lhs, rhs, lhs_smem, interpret: bool):
   return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
-def _bwd_probabilities(sp, qk, lse2, positions, q_lim, kv_lim, bias, mask):
-  """(p, tanh or None) from q.k, the base-2 lse broadcast like qk, bias and
-  mask tiles (or None) oriented like qk; see `_visible` for `positions`."""
+def _bwd_probabilities(sp, qk, lse2, band, bias, mask):
+  """(p, tanh or None) from q.k, the base-2 lse broadcast like qk, the
+  positional band, bias and mask tiles (or None) oriented like qk."""
   raw = triton.raw_scale(sp)
   tanh = None
   if raw is not None:
@@ -709,7 +724,7 @@ def _bwd_probabilities(sp, qk, lse2, positions, q_lim, kv_lim, bias, mask):
       tanh = jnp.tanh(z / sp.cap)
       z = sp.cap * tanh
     p = jnp.exp2(z * LOG2E - lse2)
-  vis = _visible(sp, positions, q_lim, kv_lim, mask)
+  vis = _visible(band, mask)
   if vis is not None:
     p = jnp.where(vis, p, 0.0)
   return p, tanh
@@ -787,13 +802,15 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
         prods = _products(pairs, (bk, bq))
         lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
-        keys = k0 + plgpu.broadcasted_iota(
-            jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
-        qrows = i * bq + plgpu.broadcasted_iota(
-            jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+        band = None
+        if mode == "masked":
+          keys = k0 + plgpu.broadcasted_iota(
+              jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+          qrows = i * bq + plgpu.broadcasted_iota(
+              jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+          band = triton.positional(sp, qrows, keys, q_lim, kv_lim)
         pt, tanh = _bwd_probabilities(
-            sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]),
-            (qrows, keys) if mode == "masked" else None, q_lim, kv_lim,
+            sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]), band,
             bias_t, mask_t)
 
         def ds_t():  # ds^T = p^T (dp^T - D), times 1 - tanh^2 under a cap
@@ -937,13 +954,10 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
         k_t, v_t = k_smem.at[slot], v_smem.at[slot]
         bias, mask = tiles
         qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], (bq, bk))
-        qrows = r0 + plgpu.broadcasted_iota(
-            jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
-        keys = j * bk + plgpu.broadcasted_iota(
-            jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-        p, tanh = _bwd_probabilities(
-            sp, qk, lse2, (qrows, keys) if mode == "masked" else None, q_lim,
-            kv_lim, bias, mask)
+        band = None
+        if mode == "masked":
+          band = _row_band(sp, r0, j * bk, (bq, bk), q_lim, kv_lim)
+        p, tanh = _bwd_probabilities(sp, qk, lse2, band, bias, mask)
         ds = p * (dp - delta)
         if tanh is not None:
           ds = ds * (1.0 - tanh * tanh)
