@@ -4,7 +4,8 @@ Usage: TOKAMAX_CACHE_DIR=tokamax/data/autotuning python benchmarks/tune_shipped.
 (on the device the shipped cache is for). Shapes: the seed flow's f_grad;
 layer_norm x 8192x8192 and 65536x1024 bf16 with f32 scale and offset; the
 seed attention shape, causal and not, with "xla_chunked"; the "mosaic"
-forward at the attention benchmark shapes (TUNE=mosaic: only those).
+forward at the attention benchmark shapes (TUNE=mosaic: only those;
+TUNE=mosaic_seed: only the seed shape, not causal).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ MOSAIC_SHAPES = [((32, 2048, 16, 16, 64), (False, True)),
                  ((4, 4096, 32, 8, 128), (True,))]
 
 
-def tune_mosaic():
-  for (b, t, n, kh, h), causals in MOSAIC_SHAPES:
+def tune_mosaic(shapes=MOSAIC_SHAPES, only_causal=None):
+  for (b, t, n, kh, h), causals in shapes:
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
-    for causal in causals:
+    for causal in only_causal or causals:
       f = jax.jit(lambda q, k, v, causal=causal: tokamax.dot_product_attention(
           q, k, v, is_causal=causal, implementation="mosaic"))
       _tune(f"mosaic {(b, t, n, kh, h)} causal={causal}", f, q, kv, kv)
@@ -50,6 +51,9 @@ def main():
   assert os.environ.get("TOKAMAX_CACHE_DIR"), "set TOKAMAX_CACHE_DIR"
   if os.environ.get("TUNE") == "mosaic":
     tune_mosaic()
+    return
+  if os.environ.get("TUNE") == "mosaic_seed":  # the seed shape, not causal
+    tune_mosaic(MOSAIC_SHAPES[:1], (False,))
     return
   on_gpu = jax.default_backend() == "gpu"
   x, scale = common.seed_inputs(demo)

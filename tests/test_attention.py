@@ -642,6 +642,14 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
       c = dataclasses.replace(c, bias=(1, c.n, 1, c.s))
     self.check(c, BF16, feature)
 
+  @pytest.mark.parametrize("feature", ["causal", "window_left_right",
+                                       "t_ne_s_causal", "combined"])
+  def test_three_consumers(self, feature):
+    """Three consumer WGs passing a token round (192-row CTAs): skip steps of
+    some consumers, the ring wrapping, rows and keys past the ends."""
+    self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2, consumers=3)
+    self.check(dataclasses.replace(FEATURES[feature], t=300, s=260), BF16, feature)
+
   @hypothesis.settings(max_examples=6, deadline=None)
   @hypothesis.given(
       t=st.integers(1, 300), s=st.integers(1, 300), kh=st.integers(1, 2),
@@ -701,6 +709,16 @@ def test_mosaic_lowers_for_cuda(name):
   assert TRITON_TARGET not in grad_text
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_three_consumers_lower_for_cuda(causal):
+  """The token-ring forward (4 warpgroups) lowers at the seed shape."""
+  q = jax.ShapeDtypeStruct((32, 2048, 16, 64), BF16)
+  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=3)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(lambda q, k, v: op(q, k, v, is_causal=causal), q, q, q)
+  assert text.count(MOSAIC_TARGET) == 1
+
+
 def test_mosaic_search_space_lowers_for_cuda():
   for h in (64, 128, 256):
     q = jax.ShapeDtypeStruct((1, 1000, 2, h), BF16)
@@ -736,7 +754,8 @@ def test_mosaic_refusals():
 
 
 @pytest.mark.parametrize("bad", [dict(block_q=32), dict(block_kv=96),
-                                 dict(num_stages=0), dict(num_stages=5)])
+                                 dict(num_stages=0), dict(num_stages=5),
+                                 dict(consumers=1), dict(consumers=4)])
 def test_mosaic_config_validation(bad):
   with pytest.raises(ValueError):
     mosaic_attn.MosaicAttentionConfig(**bad)
@@ -758,6 +777,20 @@ def test_mosaic_heuristics_fit_shared_memory():
     c = mosaic_attn.vjp_heuristic_config(2048, 2048, h, hv, 2)
     assert max(mosaic_attn.vjp_smem_bytes(c, h, hv, 2)) <= pallas_mosaic.SMEM_BYTES
     assert c in mosaic_attn.vjp_search_space(2048, 2048, h, hv, 2)
+
+
+def test_mosaic_consumers_by_head_dim_and_tiles():
+  """Three consumers only for small O tiles without bias/mask tiles (their
+  152 registers hold S, P and O; docs/benchmarks.md), in the heuristic and
+  in the search space."""
+  pick = lambda hv, tiles=False: mosaic_attn.heuristic_config(
+      2048, 2048, 64, hv, 2, tiles=tiles).consumers
+  assert (pick(64), pick(64, tiles=True), pick(128)) == (3, 2, 2)
+  for hv in (64, 128):
+    for tiles in (False, True):
+      for c in mosaic_attn.search_space(2048, 2048, 64, hv, 2, tiles=tiles):
+        if c.consumers == 3:
+          assert not tiles and c.block_q == 64 and c.block_q * (c.block_kv + hv) <= 96 * 128
 
 
 def test_mosaic_vjp_search_space_lowers_for_cuda():
@@ -822,8 +855,7 @@ class TestMosaicGpu(AttentionTestBase):
       mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))
   def test_search_space_configs(self, config):
     """Every autotuning candidate compiles and is right (H128, many blocks)."""
-    self.op = _mosaic_op(block_q=config.block_q, block_kv=config.block_kv,
-                         num_stages=config.num_stages)
+    self.op = mosaic_attn.MosaicDotProductAttention(config=config)
     self.check(Case(batch=(1,), t=1000, s=1100, n=4, kh=2, h=128, q_lens=True,
                     kv_lens=True, kwargs=(("is_causal", True),
                                           ("local_window_size", (300, None)))), BF16)

@@ -1,17 +1,21 @@
 """The "mosaic" implementation of dot_product_attention: Pallas:Mosaic GPU (sm90).
 
 Forward: FlashAttention-3 (arXiv:2407.08608) with `plgpu.kernel`. A CTA of
-three warpgroups (WGs) owns 2 * block_q query rows of one (batch, head):
-  * WG 2, the producer (Sec. 3.1, warp specialisation), streams the key and
+C + 1 warpgroups (WGs; C = `consumers`, 2 or 3) owns C * block_q query rows
+of one (batch, head):
+  * WG C, the producer (Sec. 3.1, warp specialisation), streams the key and
     value blocks of the CTA's kv head into a ring of `num_stages` shared
     memory slots with TMA; `k_ready`/`v_ready` barriers complete when a copy
-    lands, `k_free`/`v_free` when both consumers are done with a slot.
-  * WGs 0 and 1, the consumers, own block_q rows each: S = Q K^T and O += P V
-    run on the tensor cores (wgmma, Q and K/V from shared memory, P from
-    registers), the online softmax (FlashAttention-2, Sec. 3.1.1) in base 2
-    on registers. A two-party `sched` barrier offsets the consumers by half a
-    step ("ping-pong", Sec. 3.1) so one WG's softmax overlaps the other's
-    matmuls.
+    lands, `k_free`/`v_free` when every consumer is done with a slot.
+  * WGs 0 .. C-1, the consumers, own block_q rows each: S = Q K^T and
+    O += P V run on the tensor cores (wgmma, Q and K/V from shared memory, P
+    from registers), the online softmax (FlashAttention-2, Sec. 3.1.1) in
+    base 2 on registers. The consumers take turns on the tensor cores so that
+    one WG's softmax overlaps the others' matmuls: with C = 2 a two-party
+    `sched` barrier offsets them by half a step ("ping-pong", Sec. 3.1); with
+    C = 3 a token passes round (each softmax runs under two WGs' matmuls,
+    which at head dim 64, where the softmax is as long as the matmuls, is
+    what hides it; 152 registers per consumer, so only for small O tiles).
 Every feature is applied in registers: causal/local windows and query/key
 lengths by positions (key blocks no row sees are never loaded; blocks every
 row sees in full run without the positional mask), bias and bool mask by
@@ -69,7 +73,7 @@ from tokamax.ops.attention import xla as base
 LOG2E = triton.LOG2E
 LN2 = triton.LN2
 MAX_HEAD_DIM = 256
-_CONSUMERS = 2  # consumer warpgroups per CTA; the producer is WG 2
+_CONSUMERS = 2  # consumer warpgroups per CTA (backward; forward: config)
 _M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never NaN
 # Forward, value head dims >= 128: add the step's row sums of P to l while
 # the P V wgmma runs (off the softmax's critical path) instead of before it.
@@ -84,19 +88,34 @@ SUM_UNDER_PV = True
 # H64 (docs/benchmarks.md), so H64 keeps the plain step.
 LAZY_RESCALE = True
 _RESCALE_TAU = 8.0
-# Registers per thread (of 512 per SM quadrant budget / 3 WGs): the producer
+# Registers per thread (64 Ki per SM shared by 128-thread WGs): the producer
 # only issues TMA; consumers hold S, P and the O accumulator.
 _PRODUCER_REGS = 40
-_CONSUMER_REGS = 232
+_CONSUMER_REGS = 232  # 2 consumers
+_CONSUMER_REGS_3 = 152  # 3 consumers (3 * 152 + 40 <= 512)
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
 class MosaicAttentionConfig:
-  """Query rows per consumer WG (CTA: 2x), key rows per step, ring depth."""
+  """Query rows per consumer WG, key rows per step, ring depth, consumer WGs
+  per CTA (CTA: consumers x block_q rows).
+
+  Two consumers take turns on the tensor cores in a ping-pong (one's
+  softmax under the other's matmuls, FA3 Sec. 3.1); three pass a token
+  round (each WG's softmax runs under the other two's matmuls).
+  """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
+  consumers: int = 2
+
+  @pydantic.field_validator("consumers")
+  @classmethod
+  def _consumers(cls, v):
+    if v not in (2, 3):
+      raise ValueError(f"consumers must be 2 or 3, got {v}")
+    return v
 
   @pydantic.field_validator("block_q")
   @classmethod
@@ -128,10 +147,11 @@ def smem_bytes(config: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int,
                residuals: bool = True) -> int:
   """Shared memory of the forward kernel (each buffer 1 KiB aligned)."""
   bq, bk, st = config.block_q, config.block_kv, config.num_stages
-  q = _CONSUMERS * bq * hp * itemsize
-  o = 0 if hvp == hp else _CONSUMERS * bq * hvp * itemsize
+  nc = config.consumers
+  q = nc * bq * hp * itemsize
+  o = 0 if hvp == hp else nc * bq * hvp * itemsize
   kv = st * bk * (hp + hvp) * itemsize
-  lse = _CONSUMERS * bq * 4 if residuals else 0
+  lse = nc * bq * 4 if residuals else 0
   bufs = [q, o, kv // 2, kv // 2, lse]
   return sum(_round_up(x, 1024) for x in bufs if x) + 2560  # + barriers, reductions
 
@@ -154,8 +174,8 @@ def _limits(sp, q_len_ref, kv_len_ref, b):
   return q_lim, kv_lim
 
 
-def _query_cta(sp, q_len_ref, kv_len_ref, bq: int, bk: int):
-  """Ids and ranges of a CTA of 2 * bq query rows on the grid (batch, head,
+def _query_cta(sp, q_len_ref, kv_len_ref, bq: int, bk: int, nc: int = _CONSUMERS):
+  """Ids and ranges of a CTA of nc * bq query rows on the grid (batch, head,
   q): (b, n, wg, kv head, q_lim, kv_lim, first row, key blocks [lo, hi))."""
   b = lax.axis_index("batch")
   n = lax.axis_index("head")
@@ -165,9 +185,9 @@ def _query_cta(sp, q_len_ref, kv_len_ref, bq: int, bk: int):
   wg = lax.axis_index("wg")
   kh = lax.div(n, jnp.int32(sp.groups))
   q_lim, kv_lim = _limits(sp, q_len_ref, kv_len_ref, b)
-  cta0 = qi * (_CONSUMERS * bq)
+  cta0 = qi * (nc * bq)
   lo, _, _, hi = triton.blocks_seen(
-      cta0, _CONSUMERS * bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False)
+      cta0, nc * bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False)
   return b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi
 
 
@@ -330,7 +350,7 @@ def _lazy_softmax(z, m, l, acc, raw, interpret: bool):
 
 
 def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
-                save_lse: bool, interpret: bool):
+                nc: int, save_lse: bool, interpret: bool):
   it = iter(refs)
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   bias_ref = next(it) if sp.bias_dims is not None else None
@@ -346,19 +366,40 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
 
 
   b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
-      sp, q_len_ref, kv_len_ref, bq, bk)
+      sp, q_len_ref, kv_len_ref, bq, bk, nc)
 
+  # Tensor-core turns. A turn issues a step's P V and the next step's Q K^T.
+  # Two consumers: a rendezvous barrier (2 arrivals) after each Q K^T issue
+  # and before each P V, which makes them alternate. Three: a token ring
+  # (`sched` holds one 1-arrival barrier per WG): a WG waits for its token
+  # before its turn and passes it on after issuing its Q K^T.
   def schedule():
     plgpu.barrier_arrive(sched)
     plgpu.barrier_wait(sched)
 
+  def pass_turn():  # after issuing Q K^T
+    if nc == 2:
+      schedule()
+    else:
+      plgpu.barrier_arrive(sched.at[lax.rem(wg + 1, jnp.int32(nc))])
+
+  def take_turn(slot):  # softmax done: wait for V and for the tensor cores
+    if nc == 2:
+      plgpu.barrier_arrive(sched)  # the other WG may issue
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(sched)  # the tensor cores are ours again
+    else:
+      plgpu.barrier_wait(v_ready.at[slot])
+      plgpu.barrier_wait(sched.at[wg])
+
   def slot_of(j):
     return lax.rem(j - lo, jnp.int32(stages))
 
-  @pl.when(wg < _CONSUMERS)
+  @pl.when(wg < nc)
   def _consumer():
     if not interpret:
-      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      plgpu.set_max_registers(_CONSUMER_REGS if nc == 2 else _CONSUMER_REGS_3,
+                              action="increase")
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
@@ -397,11 +438,6 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       def _():
         plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
 
-    def end_softmax(slot):
-      plgpu.barrier_arrive(sched)  # softmax done: the other WG may issue
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(sched)  # the tensor cores are ours again
-
     load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
                               pl.cdiv(sp.s, bk) - 1, (bq, bk))
 
@@ -412,8 +448,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
         with jax.named_scope("skip"):
           tiles = load_tiles(n, j, 1)
           plgpu.barrier_arrive(k_free.at[slot])
-          schedule()
-          end_softmax(slot)
+          pass_turn()
+          take_turn(slot)
           wait_next_k(j)
           plgpu.barrier_arrive(v_free.at[slot])
         return m, l, acc, tiles
@@ -424,7 +460,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
           # The next step's bias/mask tiles load meanwhile.
           nxt = load_tiles(n, j, 1)
         with jax.named_scope("rendezvous_qk"):
-          schedule()  # the other consumer's softmax runs meanwhile
+          pass_turn()  # the other consumers' softmax runs meanwhile
         with jax.named_scope("qk_wait"):
           s = acc_ref[...]
         return s, nxt
@@ -455,10 +491,10 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
             l = l + p.sum(axis=1)
           acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         with jax.named_scope("rendezvous_pv"):
-          end_softmax(slot)
+          take_turn(slot)
       else:
         with jax.named_scope("rendezvous_pv"):
-          end_softmax(slot)
+          take_turn(slot)
         if not sum_under_pv:
           with jax.named_scope("softmax"):
             l = l + p.sum(axis=1)
@@ -494,10 +530,18 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     def _():
       plgpu.barrier_wait(k_ready.at[slot_of(lo)])
 
-    pl.when(wg == 1)(schedule)
+    if nc == 2:
+      pl.when(wg == 1)(schedule)
+    else:  # WG 0 starts with the token; each WG's first turn issues Q K_0^T
+      pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
+      plgpu.barrier_wait(sched.at[wg])
     for start, stop, mode in segments:
       carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
-    pl.when(wg == 0)(schedule)
+    if nc == 2:
+      pl.when(wg == 0)(schedule)
+    else:  # pass the last turn on; WG 0 takes the token's final phase
+      pass_turn()
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))
     m, l, acc, _ = carry
 
     # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
@@ -518,7 +562,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(r0, bq)])
       plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == _CONSUMERS)
+  @pl.when(wg == nc)
   def _producer():
     if not interpret:
       plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
@@ -560,7 +604,8 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   hv = v.shape[3]
   hp, hvp = _round_up(h, 64), _round_up(hv, 64)
   bq, bk, stages = config.block_q, config.block_kv, config.num_stages
-  cta_rows = _CONSUMERS * bq
+  nc = config.consumers
+  cta_rows = nc * bq
   # TMA into swizzled tiles of 8 rows needs row counts that are multiples of
   # 8, and boxes may not exceed short arrays: pad (a copy) only then.
   tq_min = max(cta_rows, _round_up(t, 8))
@@ -573,18 +618,19 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   interpret = pallas_mosaic.INTERPRET.value
   dtype = q.dtype
   scratch = [
-      plgpu.SMEM((_CONSUMERS, bq, hp), dtype),
-      None if hvp == hp else plgpu.SMEM((_CONSUMERS, bq, hvp), dtype),
+      plgpu.SMEM((nc, bq, hp), dtype),
+      None if hvp == hp else plgpu.SMEM((nc, bq, hvp), dtype),
       plgpu.SMEM((stages, bk, hp), dtype),
       plgpu.SMEM((stages, bk, hvp), dtype),
-      plgpu.SMEM((_CONSUMERS, bq), jnp.float32) if return_residuals else None,
-      plgpu.SMEM((_CONSUMERS, bq, bk), dtype) if interpret else None,
-      plgpu.Barrier(num_barriers=_CONSUMERS),  # q_ready
+      plgpu.SMEM((nc, bq), jnp.float32) if return_residuals else None,
+      plgpu.SMEM((nc, bq, bk), dtype) if interpret else None,
+      plgpu.Barrier(num_barriers=nc),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # k_free
-      plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),  # v_free
-      plgpu.Barrier(num_arrivals=_CONSUMERS),  # sched
+      plgpu.Barrier(num_arrivals=nc, num_barriers=stages),  # k_free
+      plgpu.Barrier(num_arrivals=nc, num_barriers=stages),  # v_free
+      # sched: the rendezvous (2 consumers) or one token per consumer
+      plgpu.Barrier(num_arrivals=2) if nc == 2 else plgpu.Barrier(num_barriers=nc),
   ]
   lengths = [
       x.astype(jnp.int32) for x in
@@ -601,14 +647,14 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   kernel = plgpu.kernel(
       functools.partial(
           _fwd_kernel, sp=sp, bq=bq, bk=bk, stages=stages, hp=hp, hvp=hvp,
-          save_lse=return_residuals, interpret=interpret),
+          nc=nc, save_lse=return_residuals, interpret=interpret),
       out_type=out_type,
       scratch_types=scratch,
       # The last grid axis varies fastest: the CTAs running together are the
       # query tiles of a few heads and share their K/V blocks in L2.
       grid=(bsz, n, nq),
       grid_names=("batch", "head", "q"),
-      num_threads=_CONSUMERS + 1,
+      num_threads=nc + 1,
       thread_name="wg",
       compiler_params=pallas_mosaic.compiler_params(approx_math=True),
       interpret=pallas_mosaic.interpret_params(),
@@ -1132,26 +1178,33 @@ def _fits(c: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int) -> bool:
   return smem_bytes(c, hp, hvp, itemsize) <= pallas_mosaic.SMEM_BYTES
 
 
-def heuristic_config(t: int, s: int, hp: int, hvp: int,
-                     itemsize: int) -> MosaicAttentionConfig:
+def heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
+                     tiles: bool = False) -> MosaicAttentionConfig:
   """The fastest H200 configs (docs/benchmarks.md): 64 rows per consumer,
-  128-key steps and a 2-deep ring where shared memory allows."""
+  128-key steps and a 2-deep ring where shared memory allows; three
+  consumers where the O accumulator is small (value head dims <= 64: seed
+  shape 1.27 -> 1.14 ms), two above (at 152 registers a third spills) and
+  with bias/mask `tiles` (held in registers a step ahead; three consumers
+  not measured there)."""
   del t, s
+  nc = 3 if hvp <= 64 and not tiles else 2
   for bk in (128, 64):
-    c = MosaicAttentionConfig(block_q=64, block_kv=bk, num_stages=2)
+    c = MosaicAttentionConfig(block_q=64, block_kv=bk, num_stages=2, consumers=nc)
     if _fits(c, hp, hvp, itemsize):
       return c
   return MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=1)
 
 
-def search_space(t: int, s: int, hp: int, hvp: int,
-                 itemsize: int) -> set[MosaicAttentionConfig]:
+def search_space(t: int, s: int, hp: int, hvp: int, itemsize: int,
+                 tiles: bool = False) -> set[MosaicAttentionConfig]:
   del t, s
   configs = set()
-  for bq, bk, stages in itertools.product((64, 128), (64, 128, 256), (2, 3, 4)):
-    c = MosaicAttentionConfig(block_q=bq, block_kv=bk, num_stages=stages)
-    # f32 values per consumer thread: S block plus the O accumulator.
-    if bq * (bk + hvp) // 128 > 192 or not _fits(c, hp, hvp, itemsize):
+  for bq, bk, stages, nc in itertools.product(
+      (64, 128), (64, 128, 256), (2, 3, 4), (2,) if tiles else (2, 3)):
+    c = MosaicAttentionConfig(block_q=bq, block_kv=bk, num_stages=stages, consumers=nc)
+    # f32 values per consumer thread: S block plus the O accumulator (232
+    # registers with 2 consumers, 152 with 3).
+    if bq * (bk + hvp) // 128 > (192 if nc == 2 else 96) or not _fits(c, hp, hvp, itemsize):
       continue
     configs.add(c)
   return configs
@@ -1218,6 +1271,11 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
     raise op.unsupported("the head dims do not fit in shared memory.")
 
 
+def _has_tiles(ba: op_lib.BoundArguments) -> bool:
+  """Whether the forward reads bias or mask tiles."""
+  return ba.arguments["bias"] is not None or ba.arguments["mask"] is not None
+
+
 class _MosaicAttentionMixin:
   """Support checks (shared by the forward and the VJP)."""
 
@@ -1260,10 +1318,10 @@ class MosaicDotProductAttention(_MosaicAttentionMixin, base.DotProductAttention)
   )
 
   def _get_heuristics_config(self, ba):
-    return heuristic_config(*_shape(ba))
+    return heuristic_config(*_shape(ba), tiles=_has_tiles(ba))
 
   def _get_autotuning_configs(self, ba):
-    return search_space(*_shape(ba))
+    return search_space(*_shape(ba), tiles=_has_tiles(ba))
 
   def _fwd(self, *, config, return_residuals, **args):
     if not _fits(config, *_shape_of_args(args)):
