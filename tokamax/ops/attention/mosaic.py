@@ -95,6 +95,14 @@ _CONSUMER_REGS = 232  # 2 consumers
 _CONSUMER_REGS_3 = 152  # 3 consumers (3 * 152 + 40 <= 512)
 
 
+# MosaicAttentionConfig's discrete fields: allowed values and why.
+_CONFIG_CHOICES = {
+    "block_q": ((64, 128), " (wgmma rows)"),
+    "block_kv": ((64, 128, 192, 256), ""),
+    "consumers": ((2, 3), ""),
+}
+
+
 @pydantic.dataclasses.dataclass(frozen=True)
 class MosaicAttentionConfig:
   """Query rows per consumer WG, key rows per step, ring depth, consumer WGs
@@ -110,25 +118,12 @@ class MosaicAttentionConfig:
   num_stages: int = 2
   consumers: int = 2
 
-  @pydantic.field_validator("consumers")
+  @pydantic.field_validator("block_q", "block_kv", "consumers")
   @classmethod
-  def _consumers(cls, v):
-    if v not in (2, 3):
-      raise ValueError(f"consumers must be 2 or 3, got {v}")
-    return v
-
-  @pydantic.field_validator("block_q")
-  @classmethod
-  def _block_q(cls, v):
-    if v not in (64, 128):
-      raise ValueError(f"block_q must be 64 or 128 (wgmma rows), got {v}")
-    return v
-
-  @pydantic.field_validator("block_kv")
-  @classmethod
-  def _block_kv(cls, v):
-    if v not in (64, 128, 192, 256):
-      raise ValueError(f"block_kv must be 64, 128, 192 or 256, got {v}")
+  def _one_of(cls, v, info):
+    allowed, why = _CONFIG_CHOICES[info.field_name]
+    if v not in allowed:
+      raise ValueError(f"{info.field_name} must be one of {allowed}{why}, got {v}")
     return v
 
   @pydantic.field_validator("num_stages")
