@@ -1,7 +1,9 @@
-"""Compiles the "mosaic" attention forward on the GPU with Mosaic GPU's
-ptxas report switched on: registers, spills and warnings such as C7513
-(wgmma instructions serialised). Usage on the GPU machine:
-  python scripts/ptxas_report.py [B T N H [BLOCK_Q BLOCK_KV STAGES [CONSUMERS]]] > report.txt"""
+"""Compiles the "mosaic" attention forward (and, with VJP set, its gradient)
+on the GPU with Mosaic GPU's ptxas report switched on: registers, spills and
+warnings such as C7513 (wgmma instructions serialised). Usage on the GPU
+machine:
+  [VJP=BLOCK_KV.BLOCK_Q.STAGES[.fused]] python scripts/ptxas_report.py \
+      [B T N H [BLOCK_Q BLOCK_KV STAGES [CONSUMERS]]] > report.txt"""
 
 import os
 import sys
@@ -20,8 +22,18 @@ if len(sys.argv) > 7:
   consumers = int(sys.argv[8]) if len(sys.argv) > 8 else 2
   config = mo.MosaicAttentionConfig(block_q=bq, block_kv=bk, num_stages=stages,
                                     consumers=consumers)
+vjp = None
+if os.environ.get("VJP"):
+  *blocks, last = os.environ["VJP"].split(".")
+  fused = last == "fused"
+  blocks = [int(x) for x in (blocks if fused else blocks + [last])]
+  vjp = mo.MosaicDotProductAttentionVjp(
+      config=mo.MosaicAttentionVjpConfig(*blocks, fused_dq=fused))
 q = jnp.ones((b, t, n, h), jnp.bfloat16)
 for causal in (False, True):
-  print(f"===== B{b} T{t} N{n} H{h} causal={causal} {config} =====", flush=True)
-  op = mo.MosaicDotProductAttention(config=config)
-  jax.jit(lambda q: op(q, q, q, is_causal=causal)).lower(q).compile()
+  print(f"===== B{b} T{t} N{n} H{h} causal={causal} {config} {vjp} =====", flush=True)
+  op = mo.MosaicDotProductAttention(config=config, **({"vjp": vjp} if vjp else {}))
+  f = lambda q: op(q, q, q, is_causal=causal)
+  if vjp is not None:
+    f = jax.grad(lambda q: jnp.sum(op(q, q, q, is_causal=causal).astype(jnp.float32)))
+  jax.jit(f).lower(q).compile()
