@@ -2,8 +2,8 @@
 on the GPU with Mosaic GPU's ptxas report switched on: registers, spills and
 warnings such as C7513 (wgmma instructions serialised). Usage on the GPU
 machine:
-  [VJP=BLOCK_KV.BLOCK_Q.STAGES[.fused]] python scripts/ptxas_report.py \
-      [B T N H [BLOCK_Q BLOCK_KV STAGES [CONSUMERS]]] > report.txt"""
+  [VJP=BLOCK_KV.BLOCK_Q.STAGES.DQ_BLOCK_Q.DQ_BLOCK_KV.DQ_STAGES] \
+      python scripts/ptxas_report.py [B T N H [BLOCK_Q BLOCK_KV STAGES [CONSUMERS]]]"""
 
 import os
 import sys
@@ -22,18 +22,15 @@ if len(sys.argv) > 7:
   consumers = int(sys.argv[8]) if len(sys.argv) > 8 else 2
   config = mo.MosaicAttentionConfig(block_q=bq, block_kv=bk, num_stages=stages,
                                     consumers=consumers)
-vjp = None
-if os.environ.get("VJP"):
-  *blocks, last = os.environ["VJP"].split(".")
-  fused = last == "fused"
-  blocks = [int(x) for x in (blocks if fused else blocks + [last])]
-  vjp = mo.MosaicDotProductAttentionVjp(
-      config=mo.MosaicAttentionVjpConfig(*blocks, fused_dq=fused))
+extra = {}
+if os.environ.get("VJP"):  # also compile the gradient with this backward config
+  vjp_config = mo.MosaicAttentionVjpConfig(*map(int, os.environ["VJP"].split(".")))
+  extra["vjp"] = mo.MosaicDotProductAttentionVjp(config=vjp_config)
 q = jnp.ones((b, t, n, h), jnp.bfloat16)
 for causal in (False, True):
-  print(f"===== B{b} T{t} N{n} H{h} causal={causal} {config} {vjp} =====", flush=True)
-  op = mo.MosaicDotProductAttention(config=config, **({"vjp": vjp} if vjp else {}))
+  print(f"===== B{b} T{t} N{n} H{h} causal={causal} {config} {extra} =====", flush=True)
+  op = mo.MosaicDotProductAttention(config=config, **extra)
   f = lambda q: op(q, q, q, is_causal=causal)
-  if vjp is not None:
+  if extra:
     f = jax.grad(lambda q: jnp.sum(op(q, q, q, is_causal=causal).astype(jnp.float32)))
   jax.jit(f).lower(q).compile()

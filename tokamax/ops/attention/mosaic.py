@@ -669,8 +669,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
 class MosaicAttentionVjpConfig:
   """dk/dv kernel: key rows per consumer WG (CTA: 2x), query rows per step,
   ring depth; dq kernel: query rows per consumer WG, key rows per step, ring
-  depth. `fused_dq`: no dq kernel; the dk/dv kernel adds each step's
-  ds k to dq in fixed point (`_fixed_point_scale`; the dq_* fields unused)."""
+  depth."""
 
   block_kv: int = 64
   block_q: int = 64
@@ -678,7 +677,6 @@ class MosaicAttentionVjpConfig:
   dq_block_q: int = 64
   dq_block_kv: int = 64
   dq_num_stages: int = 2
-  fused_dq: bool = False
 
   @pydantic.field_validator("block_kv", "block_q", "dq_block_q", "dq_block_kv")
   @classmethod
@@ -715,9 +713,6 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   dkdv = r(_CONSUMERS * bk * hp * itemsize, _CONSUMERS * bk * hvp * itemsize,
            st * bq * hp * itemsize, st * bq * hvp * itemsize, st * bq * 4,
            st * bq * 4, interpret and _CONSUMERS * bk * bq * itemsize)
-  if config.fused_dq:  # row scales, ds^T tiles, int32 dq tiles; no dq kernel
-    return dkdv + r(st * bq * 4, _CONSUMERS * bk * bq * itemsize,
-                    _CONSUMERS * bq * hp * 4) - 2560, 0
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
   dq = r(_CONSUMERS * bq * hp * itemsize, _CONSUMERS * bq * hvp * itemsize,
          _CONSUMERS * bq * 4, _CONSUMERS * bq * 4, st * bk * hp * itemsize,
@@ -725,15 +720,13 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   return dkdv, dq
 
 
-def _products(pairs, shape, between=None):
+def _products(pairs, shape):
   """[a @ b for (a, b) in pairs] (SMEM refs) in fresh f32 accumulators, all
-  issued before the first is read (one wait); `between()` runs while they do."""
+  issued before the first is read (one wait)."""
 
   def run(*acc_refs):
     for acc_ref, (a, b) in zip(acc_refs, pairs):
       plgpu.wgmma(acc_ref, a, b)
-    if between is not None:
-      between()
     return tuple(acc_ref[...] for acc_ref in acc_refs)
 
   return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32) for _ in pairs])
@@ -779,26 +772,20 @@ def _bwd_probabilities(sp, qk, lse2, band, bias, mask):
 
 
 def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
-                 want_dv: bool, fused_dq: bool, interpret: bool):
+                 want_dv: bool, interpret: bool):
   """dk, dv for 2 * bk keys of one (batch, kv head) (FlashAttention-2 Alg. 2,
   key-major): WG 2 streams (q, do, lse, delta) tiles of the G query heads
   and the query blocks that see the keys; WGs 0/1 keep their bk keys and
-  values in SMEM and dk, dv in registers. `fused_dq`: each step also adds
-  round(scale_row * ds k) to the int32 dq accumulator (TMA reduce-add;
-  integer sums do not depend on the order, so dq stays deterministic)."""
+  values in SMEM and dk, dv in registers."""
   it = iter(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
   bias_ref = next(it) if sp.bias_dims is not None else None  # [b, n, S, T]
   mask_ref = next(it) if sp.mask_dims is not None else None  # [b, n, S, T]
   q_len_ref = next(it) if sp.has_q_len else None
   kv_len_ref = next(it) if sp.has_kv_len else None
-  # dq_scale: f32 [B, N, T]; dq_acc: int32 [B, T, N, Hp] (interpreter: one
-  # slice per consumer WG in front, summed afterwards; it has no TMA reduce).
-  dq_scale_ref, dq_acc_ref = (next(it), next(it)) if fused_dq else (None, None)
   dk_ref, dv_ref = next(it), next(it)
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, t_smem, kv_ready,
-   ready, free) = (next(it) for _ in range(10))
-  scale_smem, ds_smem, dqi_smem = it if fused_dq else (None, None, None)
+   ready, free) = it
   dtype = q_ref.dtype
   fuse_dkdv = k_smem.shape[-1] + v_smem.shape[-1] <= 128
   b = lax.axis_index("batch")
@@ -811,16 +798,6 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
   lo, _, _, hi = triton.blocks_seen(
       cta0, _CONSUMERS * bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True)
   per_head = hi - lo
-  # fused_dq: CTA j starts at query block lo + rot_j (then wraps), so CTAs
-  # in flight add into different dq tiles (no atomics on the same lines).
-  rotate = fused_dq and bias_ref is None and mask_ref is None and _FUSED_ROTATE
-  rot = jnp.int32(0)
-  if rotate:
-    rot = lax.rem(lax.axis_index("kv") * jnp.maximum(per_head, 1)
-                  // lax.axis_size("kv"), jnp.maximum(per_head, 1))
-
-  def order_of(i):  # position of query block i in the CTA's walk
-    return lax.rem(i - lo - rot + per_head, jnp.maximum(per_head, 1))
 
   def slot_of(step):
     return lax.rem(step, jnp.int32(stages))
@@ -845,29 +822,6 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
                               pl.cdiv(sp.t, bq) - 1, (bk, bq))
 
     no_tiles = bias_ref is None and mask_ref is None
-    ds_tile = ds_smem.at[wg] if fused_dq else None
-    dqi_tile = dqi_smem.at[wg] if fused_dq else None
-
-    def scaled_dq(dq_part, slot):  # dq_part times the rows' fixed-point scales
-      row_scale = plgpu.load(scale_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-      return dq_part * lax.broadcast_in_dim(row_scale, dq_part.shape, [0])
-
-    def send_dq(x, g, i, valid=None):  # dq_acc[rows of block i] += round(x)
-      # Round half away from zero (the conversion truncates).
-      fixed = (x + jnp.where(x < 0, -0.5, 0.5)).astype(jnp.int32)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's tile
-      dqi_tile[...] = fixed
-      plgpu.commit_smem()
-      tile = (b, pl.ds(i * bq, bq), kh * sp.groups + g)
-      if interpret:
-        part = lax.axis_index("kv") * _CONSUMERS + wg
-        plgpu.copy_smem_to_gmem(dqi_tile, dq_acc_ref.at[(part,) + tile], valid)
-      elif _FUSED_REDUCE:
-        plgpu.copy_smem_to_gmem(dqi_tile, dq_acc_ref.at[tile], valid,
-                                reduction_op="add")
-
-    # GPU: a step's dq tile is sent while the next step's products run.
-    defer = fused_dq and not interpret and _FUSED_DEFER
 
     def tiles_after(g, i):  # the next step's: block i + 1 or the next head's lo
       if no_tiles:
@@ -877,9 +831,9 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       return load_tiles(kh * sp.groups + g_next, jnp.where(more, i + 1, lo))
 
     def step(i, carry, g, mode):
-      dk, dv, tiles, pend = carry
+      dk, dv, tiles = carry
       tiles = tiles or (None, None)
-      slot = slot_of(g * per_head + order_of(i) if rotate else g * per_head + i - lo)
+      slot = slot_of(g * per_head + i - lo)
       nxt = tiles_after(g, i)
       plgpu.barrier_wait(ready.at[slot])
       if mode != "skip":
@@ -887,8 +841,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         bias_t, mask_t = tiles
         # Key-major blocks [bk, bq]: s^T = k q^T, dp^T = v do^T.
         pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
-        prods = _products(pairs, (bk, bq),
-                          (lambda: send_dq(*pend)) if defer else None)
+        prods = _products(pairs, (bk, bq))
         lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
         band = None
         if mode == "masked":
@@ -908,25 +861,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
             dst = dst * (1.0 - tanh * tanh)
           return dst.astype(dtype)
 
-        if fused_dq and not interpret:
-          # As above, plus dq_part = ds k = (ds^T)^T k from ds^T in SMEM.
-          def three(refs):
-            dv_ref, dk_ref, dq_ref = refs
-            plgpu.wgmma(dv_ref, pt.astype(dtype), do_t)
-            dst = ds_t()
-            ds_tile[...] = dst
-            plgpu.commit_smem()
-            plgpu.wgmma(dk_ref, dst, q_t)
-            plgpu.wgmma(dq_ref, ds_tile.T, k_tile)
-
-          dv, dk, dq_part = pl.run_state(three)(
-              (plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-               plgpu.ACC.init(acc(k_tile.shape[1], bq))))
-          if defer:
-            pend = (scaled_dq(dq_part, slot), g, i, jnp.bool_(True))
-          else:
-            send_dq(scaled_dq(dq_part, slot), g, i)
-        elif want_dk and want_dv and not interpret and fuse_dkdv:
+        if want_dk and want_dv and not interpret and fuse_dkdv:
           # dv += p^T do runs on the tensor cores while ds^T is computed;
           # then dk += ds^T q, one wait for both. Faster at head dim 64,
           # slower at 128 (register pressure; H200, docs/benchmarks.md).
@@ -940,40 +875,25 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
           if want_dv:
             dv = _accumulate(dv, pt.astype(dtype), do_t, t_tile, interpret)
           if want_dk:
-            dst = ds_t()
-            dk = _accumulate(dk, dst, q_t, t_tile, interpret)
-            if fused_dq:
-              ds_tile[...] = dst
-              plgpu.commit_smem()
-              dq_part = _products([(ds_tile.T, k_tile)], (bq, k_tile.shape[1]))[0]
-              send_dq(scaled_dq(dq_part, slot), g, i)
+            dk = _accumulate(dk, ds_t(), q_t, t_tile, interpret)
       plgpu.barrier_arrive(free.at[slot])
-      return dk, dv, nxt, pend
+      return dk, dv, nxt
 
     def head(g, carry):
-      parts = ((lo + rot, hi), (lo, lo + rot)) if rotate else ((lo, hi),)
-      for a, c in parts:
-        for start, stop, mode in segments:
-          if rotate:
-            start, stop = (jnp.minimum(jnp.maximum(x, a), c) for x in (start, stop))
-          carry = lax.fori_loop(
-              start, stop, functools.partial(step, g=g, mode=mode), carry)
+      for start, stop, mode in segments:
+        carry = lax.fori_loop(
+            start, stop, functools.partial(step, g=g, mode=mode), carry)
       return carry
 
-    acc = lambda w, r=bk: plgpu.layout_cast(jnp.zeros((r, w), jnp.float32),
-                                            plgpu.Layout.WGMMA)
-    # A deferred dq tile: (scaled dq, head in group, query block, valid).
-    pend = ((acc(k_tile.shape[1], bq), jnp.int32(0), jnp.int32(0), jnp.bool_(False))
-            if defer else None)
+    acc = lambda w: plgpu.layout_cast(jnp.zeros((bk, w), jnp.float32),
+                                      plgpu.Layout.WGMMA)
     carry = (acc(k_tile.shape[1]) if want_dk else None,
              acc(v_tile.shape[1]) if want_dv else None,
-             None if no_tiles else load_tiles(kh * sp.groups, lo), pend)
+             None if no_tiles else load_tiles(kh * sp.groups, lo))
     if sp.groups == 1:
-      dk, dv, _, pend = head(jnp.int32(0), carry)
+      dk, dv, _ = head(jnp.int32(0), carry)
     else:
-      dk, dv, _, pend = lax.fori_loop(jnp.int32(0), jnp.int32(sp.groups), head, carry)
-    if defer:
-      send_dq(*pend)
+      dk, dv, _ = lax.fori_loop(jnp.int32(0), jnp.int32(sp.groups), head, carry)
     # The tiles are free: every wgmma reading them has been waited for.
     if want_dk:
       k_tile[...] = (dk * sp.scale).astype(dtype)
@@ -995,8 +915,6 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
     def issue(step, wait):
       slot = slot_of(step)
       i = lo + lax.rem(step, per_head)
-      if rotate:
-        i = lo + lax.rem(i - lo + rot, per_head)
       n = kh * sp.groups + lax.div(step, per_head)
       if wait:
         plgpu.barrier_wait(free.at[slot])
@@ -1007,9 +925,6 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], ready.at[slot])
       plgpu.copy_gmem_to_smem(
           delta_ref.at[stats], delta_smem.at[slot], ready.at[slot])
-      if fused_dq:
-        plgpu.copy_gmem_to_smem(
-            dq_scale_ref.at[stats], scale_smem.at[slot], ready.at[slot])
 
     first = jnp.minimum(jnp.int32(stages), total)
     pl.loop(jnp.int32(0), first)(lambda s: issue(s, False))
@@ -1131,48 +1046,6 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
         lambda j: plgpu.barrier_wait(free.at[slot_of(j)]))
 
 
-def fused_dq_supported(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
-                       dbias: bool) -> bool:
-  """Whether `config.fused_dq` can run: the dk/dv kernel in one pass, no
-  dbias (that is written by the dq kernel)."""
-  return len(dkdv_passes(config, hp, hvp)) == 1 and not dbias
-
-
-# Fixed-point dq (fused_dq): |sum_j ds_ij k_jh| <= max|k| sum_j |ds_ij| and
-# sum_j |ds_ij| = sum_j p_ij |dp_ij - D_i| <= 2 |do_i| max_j |v_j| (sum_j p_ij
-# = 1, |dp_ij| <= |do_i| |v_j|, D_i a p-weighted mean of dp_ij; a soft cap
-# only shrinks ds). Every partial sum obeys the same bound B_i, so with row
-# scale 2^(29 - ceil(log2(2 B_i))) (the 2: bf16 rounding of ds) no partial or
-# total exceeds 2^29 in magnitude and the int32 sums cannot overflow; the
-# rounding error is at most half a unit per added tile.
-_FIXED_POINT_BITS = 29
-_FUSED_ROTATE = True  # A/B switches (benchmarks/attention_fused_dq.py)
-_FUSED_REDUCE = True
-_FUSED_DEFER = True
-
-
-def _fixed_point_scale(k, v, dout):
-  """f32 [B, N, T] powers of two: dq row i is accumulated as
-  round(scale_i * ds k) in int32 (see above)."""
-  f32 = jnp.float32
-  groups = dout.shape[2] // k.shape[2]
-  kmax = jnp.max(jnp.abs(k.astype(f32)), axis=(1, 3))  # [B, K]
-  vmax = jnp.sqrt(jnp.max(jnp.sum(jnp.square(v.astype(f32)), -1), axis=1))
-  do_norm = jnp.sqrt(jnp.sum(jnp.square(dout.astype(f32)), -1))  # [B, T, N]
-  bound = 4.0 * do_norm * jnp.repeat(kmax * vmax, groups, axis=1)[:, None, :]
-  e = _FIXED_POINT_BITS - jnp.ceil(jnp.log2(bound))
-  # A zero bound (do_i = 0): any scale; a non-finite one: NaN later.
-  e = jnp.clip(jnp.where(bound > 0, e, 0.0), -120.0, 120.0)
-  scale = jnp.where(jnp.isfinite(bound), jnp.exp2(e), jnp.nan)
-  return jnp.swapaxes(scale, 1, 2)
-
-
-def _from_fixed_point(acc, row_scale, sm_scale: float, dtype):
-  """dq [B, T, N, Hp] from the int32 accumulator and the row scales."""
-  inv = jnp.swapaxes(1.0 / row_scale, 1, 2)[..., None]  # exact: powers of 2
-  return (acc.astype(jnp.float32) * inv * sm_scale).astype(dtype)
-
-
 def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpConfig,
                        want_dbias: bool = True):
   """Gradients {query, key, value[, bias]} from the forward's lse (f32
@@ -1216,26 +1089,11 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
                 interpret=pallas_mosaic.interpret_params())
 
   bk, bq, st = config.block_kv, config.block_q, config.num_stages
-  fused = config.fused_dq
-  if fused and not fused_dq_supported(config, hp, hvp, sp.bias_dims is not None
-                                      and want_dbias):
-    raise NotImplementedError(
-        "fused_dq needs dk and dv in one pass (head dims up to 128) and no"
-        " bias gradient.")
   grads = {}
-  n_kv = pl.cdiv(tk, _CONSUMERS * bk)
-  dq_extra = []
-  if fused:
-    dq_scale = _pad(_fixed_point_scale(k, v, dout), 2, tq)
-    acc_shape = (bsz, tq, n, hp)
-    if interpret:  # one slice per consumer WG (no TMA reduce there)
-      acc_shape = (n_kv * _CONSUMERS,) + acc_shape
-    dq_extra = [dq_scale, jnp.zeros(acc_shape, jnp.int32)]
   for want_dk, want_dv in dkdv_passes(config, hp, hvp):
-    kernel = plgpu.kernel(
+    dk, dv = plgpu.kernel(
         functools.partial(_dkdv_kernel, sp=sp, bk=bk, bq=bq, stages=st,
-                          want_dk=want_dk, want_dv=want_dv, fused_dq=fused,
-                          interpret=interpret),
+                          want_dk=want_dk, want_dv=want_dv, interpret=interpret),
         out_type=[
             jax.ShapeDtypeStruct((bsz, tk, kv_heads, hp), dtype) if want_dk else None,
             jax.ShapeDtypeStruct((bsz, tk, kv_heads, hvp), dtype) if want_dv else None,
@@ -1249,41 +1107,19 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
             plgpu.SMEM((st, bq), jnp.float32),
             plgpu.SMEM((_CONSUMERS, bk, bq), dtype) if interpret else None,
             plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),  # kv_ready
-            plgpu.Barrier(num_arrivals=5 if fused else 4, num_barriers=st),  # ready
+            plgpu.Barrier(num_arrivals=4, num_barriers=st),  # ready
             plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
-        ] + ([
-            plgpu.SMEM((st, bq), jnp.float32),  # dq row scales
-            plgpu.SMEM((_CONSUMERS, bk, bq), dtype),  # ds^T
-            # 128-byte swizzle: a WGMMA-layout store of 32-bit rows of 256 bytes
-            # would hit one bank eight times.
-            plgpu.SMEM((_CONSUMERS, bq, hp), jnp.int32, transforms=(
-                plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-        ] if fused else []),
+        ],
         # Key tiles vary fastest: CTAs in flight share the q/do tiles in L2.
-        grid=(bsz, kv_heads, n_kv),
+        grid=(bsz, kv_heads, pl.cdiv(tk, _CONSUMERS * bk)),
         grid_names=("batch", "head", "kv"),
         kernel_name="tokamax_attention_bwd_dkdv_mosaic",
         **common,
-    )
-    dkdv_inputs = (q, k, v, do, lse2, delta, *dkdv_tiles, *lengths)
-    if fused:  # the kernel adds into the Ref's buffer in place
-      acc_ref = jax.new_ref(dq_extra[1])
-      dk, dv = kernel(*dkdv_inputs, dq_extra[0], acc_ref)
-      dq_acc = acc_ref[...]
-    else:
-      dk, dv = kernel(*dkdv_inputs)
+    )(q, k, v, do, lse2, delta, *dkdv_tiles, *lengths)
     if want_dk:
       grads["key"] = dk[:, :s, :, :h]
     if want_dv:
       grads["value"] = dv[:, :s, :, :hv]
-
-  if fused:
-    if interpret:
-      dq_acc = jnp.sum(dq_acc, axis=0, dtype=jnp.int32)
-    dq = _from_fixed_point(dq_acc, dq_scale, sp.scale, dtype)
-    grads["query"] = dq[:, :t, :, :h]
-    union = frozenset().union(*(op_lib.varying(x) for x in inputs))
-    return {name: op_lib.vary_over(g, union) for name, g in grads.items()}
 
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
   nq = pl.cdiv(tq, _CONSUMERS * bq)
