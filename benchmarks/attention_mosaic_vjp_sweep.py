@@ -1,11 +1,14 @@
 """Sweeps "mosaic" attention backward configs at the benchmark shapes (GPU).
 
-Usage: python benchmarks/attention_mosaic_vjp_sweep.py [OUT_DIR]
+Usage: python benchmarks/attention_mosaic_vjp_sweep.py [OUT_DIR] [SHAPES] [CONFIGS]
 For each shape and causal flag: cuDNN (jax.nn) forward+backward, the Mosaic
 forward (its heuristic/shipped config) with the "triton" backward, and with
 the Mosaic backward under each config of CONFIGS in its search space.
 Prints times and writes attention_mosaic_vjp_sweep.json. VJP_CONFIGS=heuristic
 times only the heuristic backward config (the default of a plain call).
+SHAPES: comma-separated words matched against the shape labels ("" = all);
+CONFIGS: "64.128.3.64.128.3,64.128.3.64.64.2.3" (MosaicAttentionVjpConfig's
+fields in order), timed whether or not in the search space.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ CONFIGS = [(64, 64, 2, 64, 64, 2), (64, 128, 2, 64, 128, 2), (64, 64, 2, 64, 128
            (64, 128, 2, 64, 64, 2), (64, 64, 3, 64, 64, 3)]
 
 
-def main(out_dir="."):
+def main(out_dir=".", words="", explicit=""):
   rows = []
 
   def record(**r):
@@ -34,6 +37,8 @@ def main(out_dir="."):
     print(r, flush=True)
 
   for label, ((b, t, n, kh, h), causals) in SHAPES.items():
+    if words and not any(w in label for w in words.split(",")):
+      continue
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
     for causal in causals:
@@ -52,16 +57,19 @@ def main(out_dir="."):
       c_ms = run("jax.nn cudnn", lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn"))
       op = mo.MosaicDotProductAttention(vjp=tr.TritonDotProductAttentionVjp())
-      run("mosaic fwd + triton bwd", lambda q, k, v: op(q, k, v, is_causal=causal))
+      if not explicit:
+        run("mosaic fwd + triton bwd", lambda q, k, v: op(q, k, v, is_causal=causal))
       space = mo.vjp_search_space(t, t, h, h, 2)
       configs = CONFIGS
       if os.environ.get("VJP_CONFIGS") == "heuristic":
         c = mo.vjp_heuristic_config(t, t, h, h, 2)
         configs = [(c.block_kv, c.block_q, c.num_stages, c.dq_block_q, c.dq_block_kv,
                     c.dq_num_stages)]
+      if explicit:
+        configs = [tuple(map(int, c.split("."))) for c in explicit.split(",")]
       for c in configs:
         cfg = mo.MosaicAttentionVjpConfig(*c)
-        if cfg not in space:
+        if cfg not in space and not explicit:
           continue
         op = mo.MosaicDotProductAttention(vjp=mo.MosaicDotProductAttentionVjp(config=cfg))
         ms = run(f"mosaic fwd + mosaic bwd {c}", lambda q, k, v: op(q, k, v, is_causal=causal))
