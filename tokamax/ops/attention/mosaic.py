@@ -242,27 +242,29 @@ def _tile_loader(sp, bias_ref, mask_ref, b, r0, block: int, last: int, shape):
   return load
 
 
-def _row_band(sp, r0, c0, shape, q_lim, kv_lim):
-  """Bool tile [rows, keys] (WGMMA layout) of the positional rules (lengths,
-  causal/window; `triton.positional`) for the query-major block at rows r0..,
-  keys c0..
+def _row_band(sp, r0, c0, shape, q_lim, kv_lim, key_major: bool = False):
+  """Bool tile (WGMMA layout) of the positional rules (lengths, causal/window;
+  `triton.positional`) for the block of query rows r0.. and keys c0..:
+  [rows, keys] (query-major), or [keys, rows] if `key_major` (dk/dv).
 
   The rules are folded into per-row bounds on the key offset first, so a
   tile element costs one compare (two with a left window) against a
   broadcast bound instead of two position tiles and three compares: at 128
   rows per warpgroup the latter spilled registers in the forward's masked
   steps (H200 ptxas, docs/benchmarks.md)."""
+  q_axis, k_axis = (1, 0) if key_major else (0, 1)
   rows = r0 + plgpu.broadcasted_iota(
-      jnp.int32, shape[:1], 0, layout=plgpu.Layout.WGMMA.reduce(1))
+      jnp.int32, shape[q_axis:q_axis + 1], 0,
+      layout=plgpu.Layout.WGMMA.reduce(k_axis))
   last = kv_lim - 1  # the last visible key of a row
   if sp.right is not None:
     last = jnp.minimum(last, rows + sp.right)
   last = jnp.where(rows < q_lim, last, -1) - c0
-  offsets = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  vis = offsets <= lax.broadcast_in_dim(last, shape, [0])
+  offsets = plgpu.broadcasted_iota(jnp.int32, shape, k_axis, layout=plgpu.Layout.WGMMA)
+  vis = offsets <= lax.broadcast_in_dim(last, shape, [q_axis])
   if sp.left is not None:
     first = rows - (sp.left + c0)
-    vis = vis & (offsets >= lax.broadcast_in_dim(first, shape, [0]))
+    vis = vis & (offsets >= lax.broadcast_in_dim(first, shape, [q_axis]))
   return vis
 
 
@@ -845,11 +847,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
         band = None
         if mode == "masked":
-          keys = k0 + plgpu.broadcasted_iota(
-              jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
-          qrows = i * bq + plgpu.broadcasted_iota(
-              jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-          band = triton.positional(sp, qrows, keys, q_lim, kv_lim)
+          band = _row_band(sp, i * bq, k0, (bk, bq), q_lim, kv_lim, key_major=True)
         pt, tanh = _bwd_probabilities(
             sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]), band,
             bias_t, mask_t)
