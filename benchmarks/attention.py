@@ -40,8 +40,13 @@ def _flops(shape, causal, mode):
 
 
 def _candidates(slow_xla):
+  # cuDNN right after "mosaic" and before the slow XLA runs, so the pair is
+  # timed side by side (cuDNN's own H128 forward+backward reads 6.3-7.2 ms
+  # between processes on the H200; docs/benchmarks.md, 2026-12-02).
   yield "tokamax mosaic (shipped cache)", lambda **kw: tokamax.dot_product_attention(
       **kw, implementation="mosaic")
+  yield "jax.nn cudnn", lambda **kw: jax.nn.dot_product_attention(
+      **kw, implementation="cudnn")
   yield "tokamax triton (heuristic)", lambda **kw: tokamax.dot_product_attention(
       **kw, implementation="triton")
   if slow_xla:
@@ -57,8 +62,6 @@ def _candidates(slow_xla):
       **kw, implementation="cudnn")
   yield "jax.nn xla", lambda **kw: jax.nn.dot_product_attention(
       **kw, implementation="xla")
-  yield "jax.nn cudnn", lambda **kw: jax.nn.dot_product_attention(
-      **kw, implementation="cudnn")
 
 
 def _time(f, args, mode):

@@ -1,10 +1,11 @@
-"""A/B of a compile-time switch of the "mosaic" attention module (GPU).
+"""A/B of a compile-time switch of the "mosaic" (or "triton") attention module (GPU).
 
 Usage: python benchmarks/attention_mosaic_flag_ab.py [OUT_DIR] [FLAG] [A,B] [MODES]
 FLAG is a module-level constant of tokamax.ops.attention.mosaic (default
-SUM_UNDER_PV), A,B two Python literals for it (default False,True), MODES
-"forward" or "forward,forward_and_vjp" (default). At the benchmark shapes:
-cuDNN (jax.nn), then implementation="mosaic" with FLAG = A, B, A, B (cupti,
+SUM_UNDER_PV), or "triton.NAME" for one of tokamax.ops.attention.triton; A,B
+two Python literals for it (default False,True), MODES "forward" or
+"forward,forward_and_vjp" (default). At the benchmark shapes: cuDNN
+(jax.nn), then that module's implementation with FLAG = A, B, A, B (cupti,
 median of 20 each), bf16 random inputs. Writes attention_mosaic_flag_ab.json.
 """
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import common
 from tokamax._src import benchmarking
 from tokamax.ops.attention import mosaic as mo
+from tokamax.ops.attention import triton as tr
 import tokamax
 
 SHAPES = {  # label: ((B, T, N, K, H), causal flags)
@@ -37,7 +39,10 @@ def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
          modes="forward,forward_and_vjp"):
   a, b = (ast.literal_eval(v) for v in values.split(","))
   rows = []
-  default = getattr(mo, flag)
+  impl, module = "mosaic", mo
+  if flag.startswith("triton."):
+    impl, module, flag = "triton", tr, flag.removeprefix("triton.")
+  default = getattr(module, flag)
   for label, ((batch, t, n, kh, h), causals) in SHAPES.items():
     q = jax.ShapeDtypeStruct((batch, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, t, kh, h), jnp.bfloat16)
@@ -48,11 +53,11 @@ def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
       for mode in modes.split(","):
         row[f"cudnn_{mode}_ms"] = _time(cud, (q, kv, kv), mode)
         for rep, value in enumerate((a, b, a, b)):
-          setattr(mo, flag, value)
+          setattr(module, flag, value)
           f = lambda q, k, v: tokamax.dot_product_attention(
-              q, k, v, is_causal=causal, implementation="mosaic")
+              q, k, v, is_causal=causal, implementation=impl)
           row[f"{flag}={value}_{mode}_ms_{rep // 2}"] = _time(f, (q, kv, kv), mode)
-        setattr(mo, flag, default)
+        setattr(module, flag, default)
       rows.append(row)
       print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
   common.save(out_dir, "attention_mosaic_flag_ab", rows)

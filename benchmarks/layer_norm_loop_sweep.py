@@ -1,15 +1,19 @@
 """Sweeps the looping layer_norm forward (programs_per_sm > 0) on the GPU.
 
-Usage: python benchmarks/layer_norm_loop_sweep.py [OUT_DIR]
+Usage: python benchmarks/layer_norm_loop_sweep.py [OUT_DIR] [FLAG=A,B,...]
 x bf16 8192x8192 and 65536x1024, f32 scale and offset, forward only, TB/s of
 x read + y written: the shipped configs (implementation="triton"), one
 program per tile, and programs looping over tiles (LOOP_PREFETCH in
 DEPTHS: tiles loaded that many trips ahead of the one normalised);
 XLA and a copy (x + 1) in the same run. Writes layer_norm_loop_sweep.json.
+With FLAG=A,B,... (a module-level constant of tokamax.ops.normalization.triton
+and Python literals for it) only the shipped configs are timed, once per
+value, the values cycled twice (A/B of a compile-time switch).
 """
 
 from __future__ import annotations
 
+import ast
 import itertools
 import sys
 
@@ -31,8 +35,11 @@ def _time(f, args):
   return benchmarking.benchmark(f_std, flat, iterations=20).median_evaluation_time_ms
 
 
-def main(out_dir="."):
+def main(out_dir=".", flag=""):
   rows = []
+  if flag:
+    flag_name, values = flag.split("=")
+    values = [ast.literal_eval(v) for v in values.split(",")]
 
   def record(**r):
     rows.append(r)
@@ -49,6 +56,16 @@ def main(out_dir="."):
         ("copy", lambda x, s, o: x + 1)):
       ms = _time(fn, (x, p, p))
       record(shape=f"{r}x{f}", impl=name, ms=ms, tbps=tb(ms))
+    if flag:
+      default_value = getattr(tr, flag_name)
+      for rep, value in itertools.product(range(2), values):
+        setattr(tr, flag_name, value)
+        ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
+                   (x, p, p))
+        record(shape=f"{r}x{f}", impl=f"triton shipped {flag_name}={value!r}", rep=rep,
+               ms=ms, tbps=tb(ms))
+      setattr(tr, flag_name, default_value)
+      continue
     for block, w, (pps, stages), prefetch in itertools.product(
         blocks, warps, LOOPS, DEPTHS):
       per_thread = block * f / (32 * w)
