@@ -26,7 +26,11 @@ from tokamax._src import benchmarking
 from tokamax.ops.normalization import triton as tr
 
 SHAPES = {(8192, 8192): ((1, 2), (8, 16)), (65536, 1024): ((4, 8), (4, 8, 16))}
-LOOPS = [(0, 2), (1, 2), (2, 2), (4, 2), (8, 2)]  # (programs_per_sm, stages)
+LOOPS = [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (8, 2)]  # (programs_per_sm, stages)
+# 3, 5, 6: the tiles spread differently over the SMs. 65536x1024 in 4-row
+# tiles is 16384 tiles, 124.1 per SM: 8 per SM gives 1024 programs of 16 tiles
+# (an SM with 8 of them does 128), 5 per SM 656 programs of 25 (at most 125
+# per SM). Not measured yet.
 DEPTHS = (0, 1, 2)  # LOOP_PREFETCH values tried for looping configs
 
 
