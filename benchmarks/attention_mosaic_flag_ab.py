@@ -1,10 +1,11 @@
 """A/B of a compile-time switch of the "mosaic" (or "triton") attention module (GPU).
 
-Usage: python benchmarks/attention_mosaic_flag_ab.py [OUT_DIR] [FLAG] [A,B] [MODES]
+Usage: python benchmarks/attention_mosaic_flag_ab.py [OUT_DIR] [FLAG] [A,B] [MODES] [SHAPES]
 FLAG is a module-level constant of tokamax.ops.attention.mosaic (default
 SUM_UNDER_PV), or "triton.NAME" for one of tokamax.ops.attention.triton; A,B
 two Python literals for it (default False,True), MODES "forward" or
-"forward,forward_and_vjp" (default). At the benchmark shapes: cuDNN
+"forward,forward_and_vjp" (default), SHAPES comma-separated words matched
+against the shape labels (default all). At the benchmark shapes: cuDNN
 (jax.nn), then that module's implementation with FLAG = A, B, A, B (cupti,
 median of 20 each), bf16 random inputs. Writes attention_mosaic_flag_ab.json.
 """
@@ -36,7 +37,7 @@ def _time(f, specs, mode):
 
 
 def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
-         modes="forward,forward_and_vjp"):
+         modes="forward,forward_and_vjp", words=""):
   a, b = (ast.literal_eval(v) for v in values.split(","))
   rows = []
   impl, module = "mosaic", mo
@@ -44,6 +45,8 @@ def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
     impl, module, flag = "triton", tr, flag.removeprefix("triton.")
   default = getattr(module, flag)
   for label, ((batch, t, n, kh, h), causals) in SHAPES.items():
+    if words and not any(w in label for w in words.split(",")):
+      continue
     q = jax.ShapeDtypeStruct((batch, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, t, kh, h), jnp.bfloat16)
     for causal in causals:

@@ -1,6 +1,8 @@
 """Sweeps "mosaic" attention forward configs at the benchmark shapes (GPU).
 
-Usage: python benchmarks/attention_mosaic_sweep.py [OUT_DIR]
+Usage: python benchmarks/attention_mosaic_sweep.py [OUT_DIR] [SHAPES] [SET]
+SHAPES: comma-separated words matched against the shape labels ("" = all);
+SET: "NAME=VALUE,..." module constants of the mosaic module set first.
 For each shape and causal flag: cuDNN and XLA (jax.nn) forward, cuDNN
 forward+backward, the forward configs below that are in the search space,
 and forward+backward with the best one; then dense matmuls of q.k^T's size
@@ -9,6 +11,7 @@ and 8192^3. Prints times and writes attention_mosaic_sweep.json.
 
 from __future__ import annotations
 
+import ast
 import sys
 
 import jax
@@ -34,14 +37,19 @@ def _time(f, specs, mode):
   return benchmarking.benchmark(f_std, flat, iterations=ITERATIONS).median_evaluation_time_ms
 
 
-def main(out_dir="."):
+def main(out_dir=".", words="", set_flags=""):
   rows = []
+  for item in filter(None, set_flags.split(",")):
+    name, value = item.split("=")
+    setattr(mo, name, ast.literal_eval(value))
 
   def record(**r):
     rows.append(r)
     print(r, flush=True)
 
   for label, ((b, t, n, kh, h), causals) in SHAPES.items():
+    if words and not any(w in label for w in words.split(",")):
+      continue
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
     for causal in causals:
@@ -82,7 +90,8 @@ def main(out_dir="."):
   fn, specs, flops = common.dense_matmul()
   ms = _time(fn, specs, "forward")
   record(shape="8192^3", impl="dense matmul", fwd_ms=ms, fwd_tflops=flops / ms / 1e9)
-  common.save(out_dir, "attention_mosaic_sweep", rows, iterations=ITERATIONS)
+  common.save(out_dir, "attention_mosaic_sweep", rows, iterations=ITERATIONS,
+              set_flags=set_flags)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Sweeps the looping layer_norm forward (programs_per_sm > 0) on the GPU.
 
-Usage: python benchmarks/layer_norm_loop_sweep.py [OUT_DIR] [FLAG=A,B,...]
+Usage: python benchmarks/layer_norm_loop_sweep.py [OUT_DIR] [FLAG=A,B,...|sweep:FLAG=A] [SHAPES]
 x bf16 8192x8192 and 65536x1024, f32 scale and offset, forward only, TB/s of
 x read + y written: the shipped configs (implementation="triton"), one
 program per tile, and programs looping over tiles (LOOP_PREFETCH in
@@ -8,7 +8,9 @@ DEPTHS: tiles loaded that many trips ahead of the one normalised);
 XLA and a copy (x + 1) in the same run. Writes layer_norm_loop_sweep.json.
 With FLAG=A,B,... (a module-level constant of tokamax.ops.normalization.triton
 and Python literals for it) only the shipped configs are timed, once per
-value, the values cycled twice (A/B of a compile-time switch).
+value, the values cycled twice (A/B of a compile-time switch); with
+sweep:FLAG=A the whole sweep runs with the constant set to A. SHAPES:
+comma-separated "8192x8192,65536x1024" (default both).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import tokamax
 from tokamax._src import benchmarking
 from tokamax.ops.normalization import triton as tr
 
-SHAPES = {(8192, 8192): ((1, 2), (8, 16)), (65536, 1024): ((4, 8), (4, 8, 16))}
+SHAPES = {(8192, 8192): ((1, 2, 4), (4, 8, 16)), (65536, 1024): ((4, 8), (4, 8, 16))}
 LOOPS = [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (8, 2)]  # (programs_per_sm, stages)
 # 3, 5, 6: the tiles spread differently over the SMs. 65536x1024 in 4-row
 # tiles is 16384 tiles, 124.1 per SM: 8 per SM gives 1024 programs of 16 tiles
@@ -39,8 +41,14 @@ def _time(f, args):
   return benchmarking.benchmark(f_std, flat, iterations=20).median_evaluation_time_ms
 
 
-def main(out_dir=".", flag=""):
+def main(out_dir=".", flag="", shapes=""):
   rows = []
+  sweep_with = None
+  if flag.startswith("sweep:"):  # the full sweep with a constant set
+    name, value = flag[len("sweep:"):].split("=")
+    sweep_with = (name, getattr(tr, name))
+    setattr(tr, name, ast.literal_eval(value))
+    flag = ""
   if flag:
     flag_name, values = flag.split("=")
     values = [ast.literal_eval(v) for v in values.split(",")]
@@ -51,6 +59,8 @@ def main(out_dir=".", flag=""):
 
   default = tr.LOOP_PREFETCH
   for (r, f), (blocks, warps) in SHAPES.items():
+    if shapes and f"{r}x{f}" not in shapes.split(","):
+      continue
     x = jax.ShapeDtypeStruct((r, f), jnp.bfloat16)
     p = jax.ShapeDtypeStruct((f,), jnp.float32)
     tb = lambda ms: 2 * r * f * 2 / ms / 1e9
@@ -85,8 +95,11 @@ def main(out_dir=".", flag=""):
         record(shape=f"{r}x{f}", config=str(cfg), error=str(e)[:200])
         continue
       record(shape=f"{r}x{f}", block_rows=block, warps=w, programs_per_sm=pps,
-             stages=stages, prefetch_depth=prefetch, ms=ms, tbps=tb(ms))
+             stages=stages, prefetch_depth=prefetch, ms=ms, tbps=tb(ms),
+             **({sweep_with[0]: getattr(tr, sweep_with[0])} if sweep_with else {}))
     tr.LOOP_PREFETCH = default
+  if sweep_with:
+    setattr(tr, *sweep_with)
   common.save(out_dir, "layer_norm_loop_sweep", rows)
 
 

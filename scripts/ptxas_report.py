@@ -3,8 +3,11 @@ on the GPU with Mosaic GPU's ptxas report switched on: registers, spills and
 warnings such as C7513 (wgmma instructions serialised). Usage on the GPU
 machine:
   [VJP=BLOCK_KV.BLOCK_Q.STAGES.DQ_BLOCK_Q.DQ_BLOCK_KV.DQ_STAGES] \
-      python scripts/ptxas_report.py [B T N H [BLOCK_Q BLOCK_KV STAGES [CONSUMERS]]]"""
+      python scripts/ptxas_report.py [B T N H [BLOCK_Q BLOCK_KV STAGES [CONSUMERS]]]
+SET="NAME=VALUE,..." sets module constants of the mosaic attention module first
+(e.g. SET=_PRODUCER_REGS=24)."""
 
+import ast
 import os
 import sys
 
@@ -14,6 +17,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tokamax.ops.attention import mosaic as mo  # noqa: E402
+
+for item in filter(None, os.environ.get("SET", "").split(",")):
+  name, value = item.split("=")
+  setattr(mo, name, ast.literal_eval(value))
 
 b, t, n, h = map(int, sys.argv[1:5]) if len(sys.argv) > 4 else (1, 1024, 2, 64)
 config = None

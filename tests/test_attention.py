@@ -769,6 +769,19 @@ def test_mosaic_vjp_config_validation(bad):
     mosaic_attn.MosaicAttentionVjpConfig(**bad)
 
 
+@pytest.mark.parametrize("producer", [24, 40, 56])
+def test_mosaic_register_split(monkeypatch, producer):
+  """setmaxnreg counts: multiples of 8 in [24, 256] whose warpgroup sum fits
+  the 512 per-thread slots (64 Ki registers / 128 threads); 232 / 152 shipped."""
+  monkeypatch.setattr(mosaic_attn, "_PRODUCER_REGS", producer)
+  for consumers in (2, 3):
+    regs = mosaic_attn._consumer_regs(consumers)
+    assert regs % 8 == 0 and 24 <= regs <= 256
+    assert consumers * regs + producer <= 512 < consumers * (regs + 8) + producer
+  monkeypatch.undo()
+  assert (mosaic_attn._consumer_regs(2), mosaic_attn._consumer_regs(3)) == (232, 152)
+
+
 def test_mosaic_heuristics_fit_shared_memory():
   for h, hv in [(64, 64), (128, 128), (256, 256), (128, 64), (256, 128)]:
     c = mosaic_attn.heuristic_config(2048, 2048, h, hv, 2)

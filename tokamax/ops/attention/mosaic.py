@@ -88,11 +88,15 @@ SUM_UNDER_PV = True
 # H64 (docs/benchmarks.md), so H64 keeps the plain step.
 LAZY_RESCALE = True
 _RESCALE_TAU = 8.0
-# Registers per thread (64 Ki per SM shared by 128-thread WGs): the producer
-# only issues TMA; consumers hold S, P and the O accumulator.
+# Registers per thread (64 Ki per SM shared by 128-thread WGs, so the
+# warpgroups' counts sum to <= 512, multiples of 8): the producer only issues
+# TMA; the consumers split the rest (S, P, the O or dk/dv accumulators).
 _PRODUCER_REGS = 40
-_CONSUMER_REGS = 232  # 2 consumers
-_CONSUMER_REGS_3 = 152  # 3 consumers (3 * 152 + 40 <= 512)
+
+
+def _consumer_regs(consumers: int) -> int:
+  """setmaxnreg count of each of `consumers` warpgroups (232 for 2, 152 for 3)."""
+  return (512 - _PRODUCER_REGS) // consumers // 8 * 8
 
 
 # MosaicAttentionConfig's discrete fields: allowed values and why.
@@ -395,8 +399,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
   @pl.when(wg < nc)
   def _consumer():
     if not interpret:
-      plgpu.set_max_registers(_CONSUMER_REGS if nc == 2 else _CONSUMER_REGS_3,
-                              action="increase")
+      plgpu.set_max_registers(_consumer_regs(nc), action="increase")
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
@@ -807,7 +810,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
   @pl.when(wg < _CONSUMERS)
   def _consumer():
     if not interpret:
-      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      plgpu.set_max_registers(_consumer_regs(_CONSUMERS), action="increase")
     k0 = cta0 + wg * bk
     segments = _clamp_ranges(triton.blocks_seen(
         k0, bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True), lo, hi)
@@ -955,7 +958,7 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
   @pl.when(wg < _CONSUMERS)
   def _consumer():
     if not interpret:
-      plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+      plgpu.set_max_registers(_consumer_regs(_CONSUMERS), action="increase")
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
