@@ -45,7 +45,7 @@ def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
     impl, module, flag = "triton", tr, flag.removeprefix("triton.")
   default = getattr(module, flag)
   for label, ((batch, t, n, kh, h), causals) in SHAPES.items():
-    if words and not any(w in label for w in words.split(",")):
+    if not common.selected(label, words):
       continue
     q = jax.ShapeDtypeStruct((batch, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, t, kh, h), jnp.bfloat16)

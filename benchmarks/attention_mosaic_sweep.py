@@ -11,7 +11,6 @@ and 8192^3. Prints times and writes attention_mosaic_sweep.json.
 
 from __future__ import annotations
 
-import ast
 import sys
 
 import jax
@@ -39,16 +38,14 @@ def _time(f, specs, mode):
 
 def main(out_dir=".", words="", set_flags=""):
   rows = []
-  for item in filter(None, set_flags.split(",")):
-    name, value = item.split("=")
-    setattr(mo, name, ast.literal_eval(value))
+  common.set_constants(mo, set_flags)
 
   def record(**r):
     rows.append(r)
     print(r, flush=True)
 
   for label, ((b, t, n, kh, h), causals) in SHAPES.items():
-    if words and not any(w in label for w in words.split(",")):
+    if not common.selected(label, words):
       continue
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)

@@ -37,7 +37,7 @@ def main(out_dir=".", words="", explicit=""):
     print(r, flush=True)
 
   for label, ((b, t, n, kh, h), causals) in SHAPES.items():
-    if words and not any(w in label for w in words.split(",")):
+    if not common.selected(label, words):
       continue
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import datetime
 import importlib.util
 import json
@@ -44,6 +45,22 @@ def dense_matmul(size: int = 8192):
   """(fn, arg specs, FLOPs): a bf16 [size, size] @ [size, size] matmul."""
   m = jax.ShapeDtypeStruct((size, size), jnp.bfloat16)
   return lambda x, y: x @ y, (m, m), 2 * size**3
+
+
+def selected(label: str, words: str) -> bool:
+  """Whether a shape label contains one of the comma-separated `words` ("" = all)."""
+  return not words or any(w in label for w in words.split(","))
+
+
+def set_constants(module, assignments: str) -> dict:
+  """Sets module constants from "NAME=VALUE,..." (Python literals); returns
+  {NAME: previous value} so the caller can restore them."""
+  previous = {}
+  for item in filter(None, assignments.split(",")):
+    name, value = item.split("=")
+    previous.setdefault(name, getattr(module, name))
+    setattr(module, name, ast.literal_eval(value))
+  return previous
 
 
 def save(out_dir, name: str, rows, **meta) -> dict:

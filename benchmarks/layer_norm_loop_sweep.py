@@ -32,7 +32,7 @@ LOOPS = [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (8, 2)]  # (pro
 # 3, 5, 6: the tiles spread differently over the SMs. 65536x1024 in 4-row
 # tiles is 16384 tiles, 124.1 per SM: 8 per SM gives 1024 programs of 16 tiles
 # (an SM with 8 of them does 128), 5 per SM 656 programs of 25 (at most 125
-# per SM). Not measured yet.
+# per SM). H200: no better than 4 or 8 per SM (docs/benchmarks.md, 2026-12-02).
 DEPTHS = (0, 1, 2)  # LOOP_PREFETCH values tried for looping configs
 
 
@@ -43,11 +43,9 @@ def _time(f, args):
 
 def main(out_dir=".", flag="", shapes=""):
   rows = []
-  sweep_with = None
-  if flag.startswith("sweep:"):  # the full sweep with a constant set
-    name, value = flag[len("sweep:"):].split("=")
-    sweep_with = (name, getattr(tr, name))
-    setattr(tr, name, ast.literal_eval(value))
+  swept = {}  # constants the full sweep runs with ("sweep:NAME=VALUE"), previous values
+  if flag.startswith("sweep:"):
+    swept = common.set_constants(tr, flag.removeprefix("sweep:"))
     flag = ""
   if flag:
     flag_name, values = flag.split("=")
@@ -96,10 +94,10 @@ def main(out_dir=".", flag="", shapes=""):
         continue
       record(shape=f"{r}x{f}", block_rows=block, warps=w, programs_per_sm=pps,
              stages=stages, prefetch_depth=prefetch, ms=ms, tbps=tb(ms),
-             **({sweep_with[0]: getattr(tr, sweep_with[0])} if sweep_with else {}))
+             **{name: getattr(tr, name) for name in swept})
     tr.LOOP_PREFETCH = default
-  if sweep_with:
-    setattr(tr, *sweep_with)
+  for name, value in swept.items():
+    setattr(tr, name, value)
   common.save(out_dir, "layer_norm_loop_sweep", rows)
 
 
