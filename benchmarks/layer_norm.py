@@ -1,4 +1,4 @@
-"""layer_norm benchmark: tokamax "triton" against "xla".
+"""layer_norm benchmark: tokamax "mosaic" and "triton" against "xla".
 
 Usage: python benchmarks/layer_norm.py [OUT_DIR]
 Prints a markdown table and writes layer_norm.json to OUT_DIR (default: .).
@@ -11,7 +11,7 @@ backward's x and dy read and dx written (5 R F itemsize). Parameters and
 statistics are ignored (< 0.1%). The "copy" row per shape is the ceiling
 for the forward: XLA's y = x + 1 (one read of x, one write of y). Off-GPU
 the shapes are shrunk 64x in R so the script stays a quick smoke test (the
-triton rows then report the refusal).
+mosaic and triton rows then report the refusal).
 """
 
 from __future__ import annotations
@@ -30,9 +30,12 @@ ITERATIONS = 20
 SHAPES = {
     "8192x8192": ((8192, 8192), 1),
     "65536x1024": ((65536, 1024), 1),
+    "16384x4096": ((16384, 4096), 1),
+    "32768x2048": ((32768, 2048), 1),
+    "131072x512": ((131072, 512), 1),
     "16x1024x4096 axis 1": ((16, 1024, 4096), 1),
 }
-IMPLEMENTATIONS = ("triton", "xla")
+IMPLEMENTATIONS = ("mosaic", "triton", "xla")
 MODES = ("forward", "forward_and_vjp")
 # Arrays of x's size that a mode moves at least once (see module docstring).
 ARRAYS_MOVED = {"forward": 2, "forward_and_vjp": 5}

@@ -40,7 +40,7 @@ def test_none_falls_back_to_xla_on_cpu():
 
 @pytest.mark.skipif(ON_GPU, reason="CPU dispatch")
 @pytest.mark.parametrize("op, impl", [
-    ("layer_norm", "triton"), ("dot_product_attention", "triton"),
+    ("layer_norm", "triton"), ("layer_norm", "mosaic"), ("dot_product_attention", "triton"),
     ("dot_product_attention", "mosaic"), ("dot_product_attention", "cudnn"),
 ])
 def test_gpu_implementations_refuse_on_cpu(op, impl):

@@ -269,6 +269,23 @@ def test_mosaic_attention_exports_for_cuda_on_cpu_host():
   assert _round_trip(exported).in_avals == exported.in_avals
 
 
+def test_mosaic_layer_norm_exports_for_cuda_on_cpu_host():
+  """The Mosaic layer_norm forward (saving statistics) and the Triton
+  backward export from a CPU host; the module round-trips."""
+  x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)
+  s = jax.ShapeDtypeStruct((1024,), jnp.float32)
+  f_grad = jax.grad(lambda x, s: jnp.sum(tokamax.layer_norm(
+      x, s, implementation="mosaic").astype(jnp.float32)), argnums=(0, 1))
+  with cross_compile("NVIDIA H200"):
+    exported = jax.export.export(
+        jax.jit(f_grad), platforms=["cuda"],
+        disabled_checks=tokamax_export.DISABLE_JAX_EXPORT_CHECKS,
+    )(x, s)
+  assert tokamax_export.custom_call_targets(exported) == {
+      "mosaic_gpu_v2", "__gpu$xla.gpu.triton"}
+  assert _round_trip(exported).in_avals == exported.in_avals
+
+
 def test_seed_flow_lowers_and_exports_for_cuda_on_cpu_host():
   x, scale = _seed_inputs()
   demo = _demo()

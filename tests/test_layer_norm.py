@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -167,17 +168,17 @@ ON_GPU = jax.default_backend() == "gpu"
 NON_LAST_AXIS = ("axis0", "axis_middle")
 
 
-def _own_hypothesis_test():
+def _own_hypothesis_test(features=st.integers(1, 70)):
   """The base's test_hypothesis as a new function object per subclass.
 
   Hypothesis refuses one @given test run from several classes (its
-  differing_executors health check), so each Triton class gets its own.
+  differing_executors health check), so each kernel class gets its own.
   """
   inner = LayerNormTestBase.test_hypothesis.hypothesis.inner_test
 
   @hypothesis.settings(max_examples=8, deadline=None)
   @hypothesis.given(
-      rows=st.integers(1, 9), features=st.integers(1, 70),
+      rows=st.integers(1, 9), features=features,
       subtract_mean=st.booleans(), eps=st.sampled_from([1e-6, 1e-3, 0.1]),
   )
   def test_hypothesis(self, rows, features, subtract_mean, eps):
@@ -435,13 +436,12 @@ def test_triton_gpu_looped_forward(shape, block_rows, warps, programs_per_sm):
   reference.assert_close(y, reference.layer_norm(x, scale, offset), fwd_tol, "forward")
 
 
-@pytest.mark.gpu
-def test_triton_gpu_large_bf16():
-  """8192x8192 bf16 with f32 scale/offset vs the f64 reference, fwd + grad."""
-  shape = (8192, 8192)
-  x, scale, offset, ct_key = make_inputs(shape, -1, True, True, BF16, 7)
+def check_large_bf16(implementation, shape, seed):
+  """bf16 x with f32 scale/offset vs the f64 reference, forward and every
+  gradient (through the saved statistics), at a benchmark size."""
+  x, scale, offset, ct_key = make_inputs(shape, -1, True, True, BF16, seed)
   ct = jax.random.normal(ct_key, shape, F32)
-  f = lambda *a: tokamax.layer_norm(*a, implementation="triton")
+  f = lambda *a: tokamax.layer_norm(*a, implementation=implementation)
   y = jax.jit(f)(x, scale, offset)
   fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(BF16)]
   reference.assert_close(y, reference.layer_norm(x, scale, offset), fwd_tol, "forward")
@@ -452,3 +452,175 @@ def test_triton_gpu_large_bf16():
   )(*map(reference.f64, (x, scale, offset)))
   for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
     reference.assert_close(g, r, grad_tol, name)
+
+
+@pytest.mark.gpu
+def test_triton_gpu_large_bf16():
+  check_large_bf16("triton", (8192, 8192), 7)
+
+
+# --- "mosaic": the Mosaic GPU interpreter on CPU, lowering for CUDA, GPU -----
+
+from tokamax._src import pallas_mosaic  # noqa: E402
+from tokamax.ops.normalization import mosaic as mosaic_ln  # noqa: E402
+
+MOSAIC_TARGET = "mosaic_gpu"
+# F = 80, 77, 130 do not tile into 32 lanes; other axes are not supported.
+MOSAIC_UNSUPPORTED = frozenset({
+    "no_params", "offset_only", "scale_offset", "rms_scale_offset",
+    "rank1", "odd_features", *NON_LAST_AXIS})
+MOSAIC_FEATURES = st.sampled_from([32, 64, 96, 160, 1024, 1088, 4096, 4224])
+
+
+class TestMosaicInterpret(LayerNormTestBase):
+  """The whole base with the Mosaic GPU forward in the interpreter (CPU); the
+  gradient is the Triton kernel (interpret mode)."""
+
+  implementation = "mosaic"
+  dtypes = (BF16, F16)
+  unsupported_cases = MOSAIC_UNSUPPORTED
+  test_hypothesis = _own_hypothesis_test(MOSAIC_FEATURES)
+
+  @pytest.fixture(autouse=True, scope="class")
+  @classmethod
+  def _interpret(cls):
+    with pallas_mosaic.interpret_mode(), triton_ln.interpret_mode():
+      yield
+
+  @pytest.mark.parametrize("features, block_rows, programs_per_sm, out_stages", [
+      (64, 4, 1, 1), (96, 8, 2, 2), (2048, 2, 1, 2), (5120, 1, 1, 1)])
+  @pytest.mark.parametrize("params", ["none", "scale", "offset", "both"])
+  @pytest.mark.parametrize("subtract_mean", [True, False])
+  def test_blocks_trips_and_statistics(self, monkeypatch, features, block_rows,
+                                       programs_per_sm, out_stages, params, subtract_mean):
+    """One "SM": CTAs loop over several blocks (the last past R), 1/2/4 rows
+    per step; the saved statistics (>256 rows per CTA at F = 64: two chunks)
+    and the gradient through the Triton VJP vs f64."""
+    monkeypatch.setattr(mosaic_ln, "_num_sms", lambda: 1)
+    rows = 301 if features <= 96 else 7
+    config = mosaic_ln.MosaicLayerNormConfig(
+        block_rows=block_rows, stages=2, out_stages=out_stages,
+        programs_per_sm=programs_per_sm)
+    op = mosaic_ln.MosaicLayerNorm(config=config)
+    ws, wo = params in ("scale", "both"), params in ("offset", "both")
+    x, scale, offset, ct_key = make_inputs((rows, features), -1, ws, wo, BF16, 9)
+    static = dict(subtract_mean=subtract_mean, scale_offset=0.5, epsilon=1e-5)
+    y, (mean, rstd) = op.call_bound(op.bind(x, scale, offset, **static),
+                                    return_residuals=True)
+    fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(BF16)]
+    reference.assert_close(y, reference.layer_norm(x, scale, offset, **static),
+                           fwd_tol, "forward")
+    want_mean, want_rstd = triton_ln._statistics(
+        reference.f64(x), 1, 1e-5, subtract_mean)
+    reference.assert_close(rstd, want_rstd, 1e-5, "rstd")
+    if subtract_mean:
+      reference.assert_close(mean, want_mean, 1e-5, "mean")
+    else:
+      assert mean is None
+    ct = jax.random.normal(ct_key, x.shape, F32)
+    diff = [a for a in (x, scale, offset) if a is not None]
+    args = lambda d: (d[0], *([d[1]] if ws else [None]), *([d[-1]] if wo else [None]))
+    grads = jax.grad(lambda d: jnp.sum(op(*args(d), **static).astype(F32) * ct))(diff)
+    ref_grads = jax.grad(lambda d: jnp.sum(reference.layer_norm(*args(d), **static) * ct))(
+        [reference.f64(a) for a in diff])
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+      reference.assert_close(g, r, grad_tol, f"grad {i}")
+
+  def test_refusals(self):
+    for shape, dtype, match in (((4, 80), BF16, "multiple of 32"),
+                                ((4, 2080), BF16, "multiple of 32"),
+                                ((2, 16384), BF16, "8192"),
+                                ((4, 64), F32, "bf16 or f16")):
+      with pytest.raises(NotImplementedError, match=f"mosaic.*{match}"):
+        jax.eval_shape(self.layer_norm, jax.ShapeDtypeStruct(shape, dtype))
+    with pytest.raises(NotImplementedError, match="mosaic.*last axis"):
+      jax.eval_shape(functools.partial(self.layer_norm, axis=0),
+                     jax.ShapeDtypeStruct((64, 3), BF16))
+
+
+def test_mosaic_config_heuristics_and_search_space():
+  Config = mosaic_ln.MosaicLayerNormConfig
+  for bad in (dict(block_rows=3), dict(block_rows=512), dict(stages=0),
+              dict(out_stages=0), dict(programs_per_sm=0)):
+    with pytest.raises(Exception, match="block_rows|stages|programs_per_sm"):
+      Config(**bad)
+  # The configs measured fastest on the H200 (docs/benchmarks.md, 2026-12-02).
+  assert mosaic_ln.heuristic_config(8192, 8192, 2) == Config(block_rows=1, stages=3)
+  assert mosaic_ln.heuristic_config(65536, 1024, 2) == Config(
+      block_rows=8, stages=4, out_stages=1)
+  assert mosaic_ln.heuristic_config(131072, 512, 2) == Config(
+      block_rows=16, stages=4, out_stages=1)
+  assert mosaic_ln.heuristic_config(32768, 2048, 2) == Config(block_rows=4, stages=4)
+  assert mosaic_ln.heuristic_config(3, 2048, 2).block_rows == 4
+  for rows, f in ((8192, 8192), (65536, 1024), (100, 4096), (3, 64)):
+    space = mosaic_ln.search_space(rows, f, 2)
+    assert mosaic_ln.heuristic_config(rows, f, 2) in space
+    assert all(c.block_rows % mosaic_ln.rows_per_step(f) == 0 for c in space)
+    assert all(c.programs_per_sm * mosaic_ln._smem_bytes(c, f, 2)
+               <= pallas_mosaic.SMEM_BYTES for c in space)
+
+
+@pytest.mark.parametrize("shape, subtract_mean", [
+    ((8192, 8192), True), ((65536, 1024), True), ((4096, 4096), False),
+    ((1000, 2048), True), ((100, 96), False)])
+def test_mosaic_lowers_for_cuda(shape, subtract_mean):
+  """Forward (Mosaic GPU) and gradient (Mosaic forward saving statistics +
+  the Triton backward) lower for an H200 on CPU: shared memory, TMA boxes
+  and register layouts are checked there."""
+  x = jax.ShapeDtypeStruct(shape, BF16)
+  p = jax.ShapeDtypeStruct(shape[-1:], F32)
+  f = lambda x, s, o: tokamax.layer_norm(x, s, o, subtract_mean=subtract_mean,
+                                         implementation="mosaic")
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)), argnums=(0, 1, 2))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    fwd_text = _lower_text(f, x, p, p)
+    grad_text = _lower_text(grad, x, p, p)
+  assert MOSAIC_TARGET in fwd_text and TRITON_TARGET not in fwd_text
+  assert MOSAIC_TARGET in grad_text and grad_text.count(TRITON_TARGET) == 1
+
+
+def test_mosaic_cross_compile_dispatch():
+  """Under an H200 target None picks "mosaic" from 512 features (faster
+  there), "triton" below and for other axes or f32."""
+  p = lambda f: jax.ShapeDtypeStruct((f,), F32)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    for shape, dtype, axis, want in (((64, 1024), BF16, -1, "mosaic"),
+                                     ((8, 8192), F16, -1, "mosaic"),
+                                     ((64, 512), BF16, -1, "mosaic"),
+                                     ((64, 256), BF16, -1, "triton"),
+                                     ((64, 1024), F32, -1, "triton"),
+                                     ((1024, 64), BF16, 0, "triton")):
+      x = jax.ShapeDtypeStruct(shape, dtype)
+      ba = dispatch.select("layer_norm", None, (x, p(shape[axis])), dict(axis=axis))
+      assert ba.op.implementation == want, (shape, dtype, axis)
+    x = jax.ShapeDtypeStruct((64, 1024), BF16)
+    text = _lower_text(jax.grad(lambda x, s: jnp.sum(tokamax.layer_norm(x, s).astype(F32))),
+                       x, p(1024))
+    assert MOSAIC_TARGET in text and text.count(TRITON_TARGET) == 1
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU platform check")
+def test_mosaic_refuses_off_hopper():
+  x = jax.ShapeDtypeStruct((64, 256), BF16)
+  with pytest.raises(NotImplementedError, match="mosaic.*Hopper"):
+    jax.eval_shape(lambda x: tokamax.layer_norm(x, implementation="mosaic"), x)
+  with tokamax.config.cross_compile("NVIDIA A100"):
+    with pytest.raises(NotImplementedError, match="mosaic.*Hopper"):
+      _lower_text(lambda x: tokamax.layer_norm(x, implementation="mosaic"), x)
+    assert dispatch.select("layer_norm", None, (x,), {}).op.implementation == "triton"
+
+
+@pytest.mark.gpu
+class TestMosaicGpu(LayerNormTestBase):
+  """The whole base with the compiled Mosaic GPU forward on the H200."""
+
+  implementation = "mosaic"
+  dtypes = (BF16, F16)
+  unsupported_cases = MOSAIC_UNSUPPORTED
+  test_hypothesis = _own_hypothesis_test(MOSAIC_FEATURES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8192, 8192), (65536, 1024), (4099, 4096), (3000, 96)])
+def test_mosaic_gpu_large_bf16(shape):
+  check_large_bf16("mosaic", shape, 11)

@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax._src import dispatch
-from tokamax.ops.normalization import triton, xla
+from tokamax.ops.normalization import mosaic, triton, xla
 
 dispatch.register("layer_norm", "xla", xla.XlaLayerNorm)
 dispatch.register("layer_norm", "triton", triton.TritonLayerNorm)
-dispatch.set_default_order("layer_norm", lambda target: ["triton", "xla"])
+dispatch.register("layer_norm", "mosaic", mosaic.MosaicLayerNorm)
+# "mosaic" refuses GPUs other than Hopper (and x that is not 16-bit, other
+# axes, feature counts it cannot tile) and steps aside below 512 features
+# (not measured faster there, docs/benchmarks.md), so it leads where it wins.
+dispatch.set_default_order("layer_norm", lambda target: ["mosaic", "triton", "xla"])
 
 
 def layer_norm(
@@ -34,7 +38,7 @@ def layer_norm(
     scale_offset: constant added to scale (e.g. 1.0 for Gemma's 1 + scale).
     subtract_mean: False computes RMS norm.
     implementation: None (best available, falls back to "xla"), a name
-      ("xla", "triton") or a list of names to try in order.
+      ("xla", "triton", "mosaic") or a list of names to try in order.
 
   Returns:
     Array of x's shape and dtype, computed in f32 (f64 for f64 inputs).
