@@ -10,12 +10,14 @@ prefetched tiles in registers); y leaves through `out_stages` slots by TMA
 stores that complete while the next blocks are normalised. The last block
 may reach past R: TMA reads zeros there and drops the stores.
 
-Register layouts: F <= 4096 holds `rows_per_step` = 4 (F <= 1024) or 2
-rows at a time, each row within one warp (F <= 1024: its reductions are
-warp shuffles) or two; larger F one row across the warpgroup
-(`Layout.WG_STRIDED`, reductions through shared memory). scale and offset
-are loaded once per CTA into registers. Statistics and arithmetic in f32,
-as in the XLA reference: mean = sum(x)/F, rstd = rsqrt(sum((x-mean)^2)/F + eps).
+Register layouts (`rows_per_step`): F <= 1024, 4 rows at a time, one per
+warp (the row reductions are warp shuffles); F <= 4096, 2 rows, each across
+two warps; larger F, one row across the warpgroup (`Layout.WG_STRIDED`).
+Reductions across warps go through shared memory. A block's rows are read
+into registers before any is normalised (`LOAD_BLOCK_FIRST`). scale and
+offset are loaded once per CTA into registers. Statistics and arithmetic in
+f32, as in the XLA reference: mean = sum(x)/F,
+rstd = rsqrt(sum((x - mean)^2)/F + eps).
 
 Residuals (mean or None, rstd; those of the XLA reference) when the gradient
 is taken: each CTA collects its rows' statistics in shared-memory chunks of
@@ -99,8 +101,10 @@ def _chunk(features: int) -> int:
 
 
 def _smem_bytes(config: MosaicLayerNormConfig, features: int, itemsize: int) -> int:
+  """Shared memory of one CTA: the x and y rings, the statistics chunks and
+  4 KiB for the cross-warp reduction scratch and 1 KiB alignment."""
   block = config.block_rows * features * itemsize
-  return (config.stages + config.out_stages) * block + 4 * _STAT_CHUNK * 4
+  return (config.stages + config.out_stages) * block + 4 * _STAT_CHUNK * 4 + 4096
 
 
 def heuristic_config(rows: int, features: int, itemsize: int) -> MosaicLayerNormConfig:
@@ -115,6 +119,8 @@ def heuristic_config(rows: int, features: int, itemsize: int) -> MosaicLayerNorm
 
 
 def search_space(rows: int, features: int, itemsize: int) -> set[MosaicLayerNormConfig]:
+  """block_rows in [h/2, 2h] of the heuristic h, 2-5 stages, 1-2 output
+  slots, 1-2 CTAs per SM, where the shared memory fits."""
   h = heuristic_config(rows, features, itemsize)
   rps = rows_per_step(features)
   configs = set()
