@@ -174,3 +174,23 @@ def test_mosaic_attention_inside_shard_map_traces_with_varying_axes_check():
         spec, spec, spec, spec).jaxpr)
   # The forward, dk/dv and dq Mosaic kernels; no Triton kernel.
   assert "pallas_call" not in text and text.count("mpmd_map[") == 3
+
+
+def test_mosaic_layer_norm_inside_shard_map_traces_with_varying_axes_check():
+  """The Mosaic layer_norm forward (saving statistics) and the Triton
+  backward inside shard_map, traced for an H200, under shard_map's
+  varying-axes check (a replicated scale's cotangent is psummed)."""
+  mesh = _mesh(jax.sharding.AxisType.Explicit)
+
+  def per_shard(x, scale, ct):
+    out = tokamax.layer_norm(x, scale, implementation="mosaic")
+    return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * ct), ("data", "model"))
+
+  spec = jax.ShapeDtypeStruct((8, 24, 4, 1024), jnp.bfloat16,
+                              sharding=NamedSharding(mesh, SPEC))
+  scale = jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=NamedSharding(mesh, P()))
+  f = jax.shard_map(per_shard, mesh=mesh, in_specs=(SPEC, P(), SPEC), out_specs=P())
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = str(jax.jit(jax.grad(f, argnums=(0, 1))).trace(spec, scale, spec).jaxpr)
+  # The Mosaic forward and the Triton backward kernel.
+  assert text.count("mpmd_map[") == 1 and text.count("pallas_call[") == 1
