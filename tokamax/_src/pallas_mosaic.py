@@ -110,6 +110,6 @@ def check_dtype(op: op_lib.Op, name: str, dtype) -> None:
   dtype = jnp.dtype(dtype)
   if dtype not in SUPPORTED_DTYPES:
     raise op.unsupported(
-        f"{name} must be bf16 or f16 for the mosaic kernels (wgmma operands),"
+        f"{name} must be bf16 or f16 for the mosaic kernels (16-bit wgmma and TMA tiles),"
         f" got {dtype.name}."
     )

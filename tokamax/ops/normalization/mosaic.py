@@ -148,8 +148,7 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
   pallas_triton.check_not_explicitly_sharded(op, ba)
   args = ba.arguments
   x = args["x"]
-  if jnp.dtype(x.dtype) not in pallas_mosaic.SUPPORTED_DTYPES:
-    raise op.unsupported(f"x must be bf16 or f16, got {jnp.dtype(x.dtype).name}.")
+  pallas_mosaic.check_dtype(op, "x", x.dtype)
   for name in ("scale", "offset"):
     if args[name] is not None and jnp.dtype(args[name].dtype) == jnp.float64:
       raise op.unsupported(f"{name} is fp64.")
