@@ -1,19 +1,22 @@
 """Sweeps the "mosaic" layer_norm forward's configs on the GPU.
 
-Usage: python benchmarks/layer_norm_mosaic_sweep.py [OUT_DIR] [SHAPES] [FLAG=A,B]
+Usage: python benchmarks/layer_norm_mosaic_sweep.py [OUT_DIR] [SHAPES] [heuristic] [FLAG=A,B ...]
 x bf16 [R, F], f32 scale and offset, forward only, TB/s of x read + y
 written. Per shape: "triton" and XLA, then the heuristic config and its
 neighbours (stages 2-5 x output slots 1-2 at the heuristic block_rows;
-block_rows halved and doubled), each checked against XLA's f32 result
-(max relative error recorded; a wrong config fails the script). With FLAG=A,B (a
-module-level constant of tokamax.ops.normalization.mosaic and Python
-literals) every config runs once per value. SHAPES: comma-separated
-"RxF" (default all). Writes layer_norm_mosaic_sweep.json.
+block_rows halved and doubled; two CTAs per SM at 2-3 stages; only the heuristic with the word
+"heuristic"), each checked against XLA's f32 result (max relative error
+recorded; a wrong config fails the script). With FLAG=A,B (module-level
+constants of tokamax.ops.normalization.mosaic and Python literals; several
+give their product) every config runs once per setting, in two passes (the
+second in reverse order) so the spread between passes shows. SHAPES:
+comma-separated "RxF" (default all). Writes layer_norm_mosaic_sweep.json.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import sys
 
 import jax
@@ -36,7 +39,12 @@ def _configs(rows, features):
   for br in (h.block_rows // 2, 2 * h.block_rows):
     if br >= mo.rows_per_step(features):
       configs.append(mo.MosaicLayerNormConfig(block_rows=br, stages=h.stages))
-  fits = lambda c: mo._smem_bytes(c, features, 2) <= mo.pallas_mosaic.SMEM_BYTES
+  for st in (2, 3):  # two CTAs per SM
+    for ost in (1, 2):
+      configs.append(mo.MosaicLayerNormConfig(block_rows=h.block_rows, stages=st,
+                                              out_stages=ost, programs_per_sm=2))
+  fits = lambda c: (c.programs_per_sm * mo._smem_bytes(c, features, 2)
+                    <= mo.pallas_mosaic.SMEM_BYTES)
   return [c for i, c in enumerate(configs) if fits(c) and c not in configs[:i]]
 
 
@@ -45,9 +53,13 @@ def _time(f, args):
   return benchmarking.benchmark(f_std, flat, iterations=20).median_evaluation_time_ms
 
 
-def main(out_dir=".", shapes="", flag=""):
-  name, values = (flag.split("=")[0], [ast.literal_eval(v) for v in flag.split("=")[1].split(",")]
-                  ) if flag else (None, [None])
+def main(out_dir=".", shapes="", *options):
+  only_heuristic = "heuristic" in options
+  flags = [o.split("=") for o in options if "=" in o]
+  names = [n for n, _ in flags]
+  settings = [dict(zip(names, vs)) for vs in itertools.product(
+      *([ast.literal_eval(v) for v in values.split(",")] for _, values in flags))]
+  passes = 2 if flags else 1
   rows_out = []
 
   def record(**r):
@@ -66,21 +78,24 @@ def main(out_dir=".", shapes="", flag=""):
     for impl in ("triton", "xla"):
       ms = _time(lambda x, s, o, impl=impl: tokamax.layer_norm(x, s, o, implementation=impl), spec)
       record(shape=f"{r}x{f}", impl=impl, ms=ms, tbps=tbps(ms))
-    for config in _configs(r, f):
-      for value in values:
-        if name:
-          previous = getattr(mo, name)
-          setattr(mo, name, value)
+    configs = _configs(r, f)[:1] if only_heuristic else _configs(r, f)
+    runs = list(itertools.product(configs, settings))
+    for p in range(passes):
+      for config, setting in (runs if p == 0 else runs[::-1]):
+        previous = {n: getattr(mo, n) for n in setting}
+        for n, v in setting.items():
+          setattr(mo, n, v)
         op = mo.MosaicLayerNorm(config=config)
         y = jax.jit(op)(x, s, o).astype(jnp.float32)
         err = float(jnp.max(jnp.abs(y - want) / (jnp.abs(want) + 1)))
         if not err < 0.01:  # bf16 rounding: < 2^-8 relative
-          raise AssertionError(f"{config} {name}={value!r}: max relative error {err}")
+          raise AssertionError(f"{config} {setting}: max relative error {err}")
         ms = _time(op, spec)
-        record(shape=f"{r}x{f}", impl="mosaic", config=str(config),
-               **({name: repr(value)} if name else {}), ms=ms, tbps=tbps(ms), max_rel_error=err)
-        if name:
-          setattr(mo, name, previous)
+        record(shape=f"{r}x{f}", impl="mosaic", config=str(config), passno=p,
+               **{n: repr(v) for n, v in setting.items()}, ms=ms, tbps=tbps(ms),
+               max_rel_error=err)
+        for n, v in previous.items():
+          setattr(mo, n, v)
   common.save(out_dir, "layer_norm_mosaic_sweep", rows_out, iterations=20)
 
 

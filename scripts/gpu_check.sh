@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|final|ship|all]
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -155,6 +155,33 @@ if [[ $what == ln_loop ]]; then
   timeout 300 python3 benchmarks/layer_norm_loop_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/ln_loop.log" | tail -60
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -20
+  exit
+fi
+if [[ $what == ln_mosaic ]]; then
+  # Mosaic layer_norm: its GPU tests, the sweep (SWEEP = the sweep script's
+  # arguments after OUT; SWEEP2 a second one into $OUT/b), then Nsight Compute on the forward kernel for each
+  # "RxF:NAME=VALUE,..." of PROFILES (text pages back as $OUT/ncu_ln.tar.gz).
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_S:-200} python3 -m pytest -q -n 12 -p no:cacheprovider \
+    -m gpu tests/test_layer_norm.py -k "${TESTS:-Mosaic or mosaic}" 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
+  timeout ${SWEEP_S:-200} python3 benchmarks/layer_norm_mosaic_sweep.py "$OUT" ${SWEEP:-} 2>&1 \
+    | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/sweep.log" | tail -40
+  if [[ -n ${SWEEP2:-} ]]; then  # a second sweep, into $OUT/b
+    mkdir -p "$OUT/b"
+    timeout ${SWEEP2_S:-200} python3 benchmarks/layer_norm_mosaic_sweep.py "$OUT/b" $SWEEP2 2>&1 \
+      | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/b/sweep.log" | tail -40
+  fi
+  mkdir -p /tmp/ncu
+  for p in ${PROFILES:-}; do
+    name=ncu_ln_${p%%:*}_$(echo "${p#*:}" | tr -c 'A-Za-z0-9\n' _)
+    timeout 120 ncu --clock-control none --set full -k regex:tokamax_layer_norm --launch-skip 2 \
+      --launch-count 1 -f -o "/tmp/ncu/$name" python3 benchmarks/profile_layer_norm.py mosaic \
+      "${p%%:*}" "${p#*:}" 2>&1 | tail -2
+    ncu -i "/tmp/ncu/$name.ncu-rep" --page details > "/tmp/ncu/$name.txt" 2>&1
+    ncu -i "/tmp/ncu/$name.ncu-rep" --page raw --csv > "/tmp/ncu/${name}_raw.csv" 2>&1
+    ncu -i "/tmp/ncu/$name.ncu-rep" --page source --print-source sass --csv > "/tmp/ncu/${name}_sass.csv" 2>&1
+    grep -E "Duration|Registers Per|DRAM Throughput|Issue Slots Busy|Memory Throughput" "/tmp/ncu/$name.txt" | head -8
+  done
+  [[ -n ${PROFILES:-} ]] && tar -C /tmp/ncu -czf "$OUT/ncu_ln.tar.gz" .
   exit
 fi
 if [[ $what == ln ]]; then

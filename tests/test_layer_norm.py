@@ -39,6 +39,25 @@ def make_inputs(shape, axis, with_scale, with_offset, dtype, seed, param_dtype=F
   return x, scale, offset, ks[3]
 
 
+def check_jumping_means(implementation, dtype):
+  """Residual mean and rstd vs f64 for rows whose means jump by up to 500
+  standard deviations from one row to the next, a constant row and a row
+  of tiny spread: statistics that cancel (one-pass sums, a poor shift)
+  lose ~(mean/sigma)^2 ulps and fail this. F = 5120: a row spans a
+  warpgroup in "mosaic"."""
+  mus, sigmas = [0, 200, 200, -300, 0, 7, 7, 5, 1e3, 1e3], [1, 1, 1, 2, 1e-3, 0, 1, 1, 2, 2]
+  z = jax.random.normal(jax.random.key(4), (len(mus), 5120), F32)
+  x = (z * jnp.array(sigmas)[:, None] + jnp.array(mus)[:, None]).astype(dtype)
+  ba = dispatch.select("layer_norm", implementation, (x,), dict(epsilon=1e-6))
+  _, (mean, rstd) = ba.op.call_bound(ba, return_residuals=True)
+  x64 = np.asarray(x, np.float64)
+  want_mean = x64.mean(axis=1)
+  want_rstd = 1 / np.sqrt(((x64 - want_mean[:, None]) ** 2).mean(axis=1) + 1e-6)
+  assert np.all(np.isfinite(np.asarray(rstd)))
+  np.testing.assert_allclose(np.ravel(rstd), want_rstd, rtol=1e-5)
+  np.testing.assert_allclose(np.ravel(mean), want_mean, rtol=1e-6, atol=1e-5)
+
+
 class LayerNormTestBase:
   implementation: str = "xla"
   dtypes = (F32, BF16, F16)
@@ -94,6 +113,9 @@ class LayerNormTestBase:
 
   def test_bf16_params(self):
     self.check("layer_norm", BF16, param_dtype=BF16)
+
+  def test_statistics_of_rows_with_jumping_means(self):
+    check_jumping_means(self.implementation, self.dtypes[0])
 
   def test_fresh_inputs(self):
     for seed in (5, 6):
@@ -526,6 +548,11 @@ class TestMosaicInterpret(LayerNormTestBase):
     for i, (g, r) in enumerate(zip(grads, ref_grads)):
       reference.assert_close(g, r, grad_tol, f"grad {i}")
 
+  def test_statistics_shift_carried_across_rows(self, monkeypatch):
+    """One CTA normalises every row, each shifted by the previous row's mean."""
+    monkeypatch.setattr(mosaic_ln, "_num_sms", lambda: 1)
+    check_jumping_means("mosaic", BF16)
+
   def test_refusals(self):
     for shape, dtype, match in (((4, 80), BF16, "multiple of 32"),
                                 ((4, 2080), BF16, "multiple of 32"),
@@ -622,6 +649,8 @@ class TestMosaicGpu(LayerNormTestBase):
   dtypes = (BF16, F16)
   unsupported_cases = MOSAIC_UNSUPPORTED
   test_hypothesis = _own_hypothesis_test(MOSAIC_FEATURES)
+  test_statistics_shift_carried_across_rows = (
+      TestMosaicInterpret.test_statistics_shift_carried_across_rows)
 
 
 @pytest.mark.gpu

@@ -48,7 +48,11 @@ import pydantic
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import arith, memref, scf, vector
+from jax.extend.mlir.dialects import math as mlir_math
 
 from tokamax._src import op as op_lib
 from tokamax._src import pallas_mosaic
@@ -65,6 +69,22 @@ _TARGET_BLOCK_BYTES = 16 * 1024
 # Read a block's rows into registers before normalising any of them (a
 # compile-time switch; benchmarks/layer_norm_mosaic_sweep.py A/Bs it).
 LOAD_BLOCK_FIRST = True
+# Issue the ring's first TMA loads before loading scale/offset (64 KiB of f32
+# at F = 8192), so the first blocks are in flight while the parameters come.
+PRIME_FIRST = True
+# Compile without Pallas' automatic warpgroup barriers around every
+# shared-memory store (two per stored row). Safe here: each trip's
+# wait_smem_to_gmem ends in a warpgroup barrier (the y slot and statistics
+# chunk are free before any thread writes them) and commit_smem in another
+# (every thread's reads of the x slot and writes of the y slot are done
+# before the TMA refill and store are issued).
+NO_AUTO_BARRIERS = False
+# Rows spanning the warpgroup (F > 4096) with a mean: both sums of the
+# statistics in one cross-warp exchange, shifted by the previous row's mean
+# (`_shifted_row_sums`); a row whose mean lies more than SHIFT_RATIO standard
+# deviations from that shift takes the exact second pass instead.
+ONE_EXCHANGE = True
+SHIFT_RATIO = 8.0
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -180,6 +200,77 @@ def _layout(features: int, rps: int):
                             lane_dims=(-2,), vector_dim=-1)
 
 
+def _shifted_row_sums(x, shift, half, scratch, interpret: bool):
+  """(sum(d), sum(d^2)) with d = x - shift over one row x [F/C, C] (f32,
+  WG_STRIDED), with a single cross-warp exchange: lane 0 of each warp puts
+  its two partial sums into half `half` (0 or 1) of `scratch` [16] f32, one
+  barrier, every thread adds the four pairs in the same order (so the sums,
+  and any branch on them, are uniform). Consecutive rows alternate halves:
+  a half is rewritten only after the next row's barrier, which every thread
+  reaches after reading it.
+
+  Why shifted sums are safe here: var = sum(d^2)/F - (sum(d)/F)^2 loses
+  about (mean - shift)^2 / var ulps to cancellation (Chan, Golub & LeVeque,
+  "Algorithms for computing the sample variance", 1983, Sec. 3), so the
+  caller keeps it only when |mean - shift| <= SHIFT_RATIO sigma (<= 65 ulps
+  of f32) and otherwise recomputes the exact two-pass sum.
+  """
+  if interpret:  # the same sums, without layouts
+    d = x - shift
+    return jnp.sum(d), jnp.sum(d * d)
+  splat = plgpu.Layout.WG_SPLAT(())
+  out = plgpu.ShapeDtypeStruct((), jnp.float32, splat)
+
+  @plgpu.inline_mgpu(arg_types=(_layout(x.shape[0] * x.shape[1], 1), splat, splat,
+                                plgpu.RefType()),
+                     return_type=(out, out))
+  def run(_, x, shift, half, scratch):
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    cst = lambda v: arith.constant(i32, v)
+    regs = list(x.registers.flat)
+    c = vector.broadcast(regs[0].type, shift.registers.item())
+    ds = [arith.subf(r, c) for r in regs]
+    # Per thread: the vectors' lanes are independent chains (ILP).
+    vs, vq = ds[0], arith.mulf(ds[0], ds[0])
+    for d in ds[1:]:
+      vs = arith.addf(vs, d)
+      vq = mlir_math.fma(d, d, vq)
+
+    def lanes_sum(v):  # a tree over the vector's lanes
+      parts = [vector.extract(v, dynamic_position=[], static_position=[i])
+               for i in range(ir.VectorType(v.type).shape[0])]
+      while len(parts) > 1:
+        parts = [arith.addf(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+      return parts[0]
+
+    ps, pq = lanes_sum(vs), lanes_sum(vq)
+    for stride in (1, 2, 4, 8, 16):  # across the warp, both sums interleaved
+      ps = arith.addf(ps, mgpu.utils.shfl_bfly(ps, stride))
+      pq = arith.addf(pq, mgpu.utils.shfl_bfly(pq, stride))
+    tid = arith.remui(mgpu.utils.thread_idx(), cst(128))
+    base = arith.muli(half.registers.item(), cst(8))
+    slot = arith.addi(base, arith.muli(arith.divui(tid, cst(32)), cst(2)))
+    lane0 = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, cst(32)), cst(0))
+    write = scf.IfOp(lane0)
+    with ir.InsertionPoint(write.then_block):
+      index = lambda v: arith.index_cast(ir.IndexType.get(), v)
+      memref.store(ps, scratch, [index(slot)])
+      memref.store(pq, scratch, [index(arith.addi(slot, cst(1)))])
+      scf.yield_([])
+    mgpu.utils.warpgroup_barrier()
+    pairs = vector.load(ir.VectorType.get((8,), f32), scratch,
+                        [arith.index_cast(ir.IndexType.get(), base)])
+    part = [vector.extract(pairs, dynamic_position=[], static_position=[i])
+            for i in range(8)]
+    add = arith.addf
+    total_s = add(add(part[0], part[2]), add(part[4], part[6]))
+    total_q = add(add(part[1], part[3]), add(part[5], part[7]))
+    return (mgpu.FragmentedArray.splat(total_s, ()),
+            mgpu.FragmentedArray.splat(total_q, ()))
+
+  return run(x, shift, half, scratch)
+
+
 def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
                 programs, epsilon, scale_offset, subtract_mean, has_scale,
                 has_offset, save_stats, interpret):
@@ -190,7 +281,7 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
   y_gmem = refs.pop(0)
   mean_gmem = refs.pop(0) if save_stats and subtract_mean else None
   rstd_gmem = refs.pop(0) if save_stats else None
-  x_ring, y_ring, x_bars, mean_smem, rstd_smem = refs
+  x_ring, y_ring, x_bars, mean_smem, rstd_smem, sums_smem = refs
   f, rps = features, rows_per_step(features)
   nc, c = features // _chunk(features), _chunk(features)
   layout = _layout(f, rps)
@@ -211,18 +302,41 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
     p = p.astype(jnp.float32) + add
     return p if rps == 1 else lax.broadcast_in_dim(p, (rps, f), (1,))
 
+  def prime():  # the ring's first blocks
+    for k in range(stages):
+      @pl.when(k < my_trips)
+      def _():
+        plgpu.copy_gmem_to_smem(x_gmem.at[rows_of(k)], x_ring.at[k], x_bars.at[k])
+
+  if PRIME_FIRST:
+    prime()
   scale = load_param(s_gmem, scale_offset) if has_scale else None
   offset = load_param(o_gmem) if has_offset else None
 
-  def normalise(x):
-    """x: rps rows (f32) -> (y, mean, rstd); mean/rstd [rps] or scalars."""
+  one_exchange = ONE_EXCHANGE and rps == 1 and subtract_mean
+
+  def normalise(x, shift, half):
+    """x: rps rows (f32) -> (y, mean, rstd); mean/rstd [rps] or scalars.
+
+    shift, half: the previous row's mean and this row's exchange half (used
+    with one_exchange)."""
     axis = None if rps == 1 else 1
     per_row = (lambda v: v) if rps == 1 else (lambda v: lax.broadcast_in_dim(v, x.shape, (0,)))
     mean = None
-    if subtract_mean:
-      mean = jnp.sum(x, axis=axis) / f
-      x = x - per_row(mean)
-    rstd = lax.rsqrt(jnp.sum(x * x, axis=axis) / f + epsilon)
+    if one_exchange:
+      s1, s2 = _shifted_row_sums(x, shift, half, sums_smem, interpret)
+      m1 = s1 / f
+      var = s2 / f - m1 * m1
+      mean = shift + m1
+      x = x - mean
+      var = lax.cond(m1 * m1 > SHIFT_RATIO**2 * var,
+                     lambda x: jnp.sum(x * x) / f, lambda x: var, x)
+      rstd = lax.rsqrt(var + epsilon)
+    else:
+      if subtract_mean:
+        mean = jnp.sum(x, axis=axis) / f
+        x = x - per_row(mean)
+      rstd = lax.rsqrt(jnp.sum(x * x, axis=axis) / f + epsilon)
     y = x * per_row(rstd)
     if has_scale:
       y = y * scale
@@ -237,7 +351,9 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
       return x_smem[pl.ds(r, rps)].reshape(rps, f)
     return plgpu.load(x_smem.reshape(block_rows, f).at[pl.ds(r, rps)], layout=layout)
 
-  def block(k, x_smem, y_smem):
+  def block(k, x_smem, y_smem, shift):
+    """Normalises block k (x_smem -> y_smem); returns its last row's mean
+    (the next shift; one_exchange only, else `shift` unchanged)."""
     pos = lax.rem(k * block_rows, jnp.int32(2 * _STAT_CHUNK))  # in the 2-chunk stats ring
     steps = range(0, block_rows, rps)
     # All of the block's rows are read before any y is written: shared-memory
@@ -245,7 +361,10 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
     xs = [load(x_smem, r) for r in steps] if LOAD_BLOCK_FIRST else None
     for i, r in enumerate(steps):
       x = xs[i] if LOAD_BLOCK_FIRST else load(x_smem, r)
-      y, mean, rstd = normalise(x.astype(jnp.float32))
+      half = lax.rem(k * block_rows + r, jnp.int32(2))
+      y, mean, rstd = normalise(x.astype(jnp.float32), shift, half)
+      if one_exchange:
+        shift = mean
       y = y.astype(y_smem.dtype)
       if rps == 1:
         y_smem[r] = y
@@ -257,18 +376,17 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
         for ref, v in ((mean_smem, mean), (rstd_smem, rstd)):
           if v is not None:
             ref[pl.ds(pos + r, rps)] = v if rps > 1 else jnp.broadcast_to(v, (1,))
+    return shift
 
-  for k in range(stages):  # the ring's first blocks
-    @pl.when(k < my_trips)
-    def _():
-      plgpu.copy_gmem_to_smem(x_gmem.at[rows_of(k)], x_ring.at[k], x_bars.at[k])
+  if not PRIME_FIRST:
+    prime()
 
-  def trip(k, carry):
+  def trip(k, shift):
     slot, out_slot = lax.rem(k, jnp.int32(stages)), lax.rem(k, jnp.int32(out_stages))
     plgpu.barrier_wait(x_bars.at[slot])
     # The y slot (and a stats chunk) is free once its store has read it.
     plgpu.wait_smem_to_gmem(out_stages - 1, wait_read_only=True)
-    block(k, x_ring.at[slot], y_ring.at[out_slot])
+    shift = block(k, x_ring.at[slot], y_ring.at[out_slot], shift)
     plgpu.commit_smem()
 
     @pl.when(k + stages < my_trips)
@@ -288,9 +406,9 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
             plgpu.copy_smem_to_gmem(src.at[half], gm.at[dst], commit_group=False)
 
     plgpu.copy_smem_to_gmem(y_ring.at[out_slot], y_gmem.at[rows_of(k)])
-    return carry
+    return shift
 
-  lax.fori_loop(jnp.int32(0), my_trips, trip, jnp.int32(0))
+  lax.fori_loop(jnp.int32(0), my_trips, trip, jnp.float32(0.0))
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -328,10 +446,13 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
           plgpu.Barrier(num_barriers=config.stages),
           plgpu.SMEM((2 * _STAT_CHUNK,), jnp.float32),
           plgpu.SMEM((2 * _STAT_CHUNK,), jnp.float32),
+          plgpu.SMEM((16,), jnp.float32),  # _shifted_row_sums' two halves
       ],
       grid=(programs,),
       grid_names=("g",),
-      compiler_params=pallas_mosaic.compiler_params(),
+      kernel_name="tokamax_layer_norm_fwd_mosaic",
+      compiler_params=pallas_mosaic.compiler_params(
+          unsafe_no_auto_barriers=NO_AUTO_BARRIERS),
       interpret=interpret,
   )
   outs = kernel(*inputs)
