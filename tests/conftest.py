@@ -11,6 +11,21 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
+
+def _set_constants(spec: str) -> None:
+  """TOKAMAX_TEST_CONSTANTS="package.module:NAME=VALUE;...": kernel switches
+  (module constants, Python literals) set in every test process, so a GPU
+  session can run the suite on a variant before it becomes the default."""
+  import ast
+  import importlib
+  for item in filter(None, spec.split(";")):
+    module, assignment = item.split(":")
+    name, value = assignment.split("=")
+    setattr(importlib.import_module(module), name, ast.literal_eval(value))
+
+
+_set_constants(os.environ.get("TOKAMAX_TEST_CONSTANTS", ""))
+
 ON_GPU = jax.default_backend() == "gpu"
 
 

@@ -84,7 +84,10 @@ NO_AUTO_BARRIERS = False
 # (`_shifted_row_sums`); a row whose mean lies more than SHIFT_RATIO standard
 # deviations from that shift takes the exact second pass instead.
 ONE_EXCHANGE = True
-SHIFT_RATIO = 8.0
+SHIFT_RATIO = 2.0
+# Rows spanning the warpgroup: store y from registers to global memory
+# (16-byte stores per thread) instead of through the y ring and a TMA store.
+DIRECT_STORE = False
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -281,7 +284,12 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
   y_gmem = refs.pop(0)
   mean_gmem = refs.pop(0) if save_stats and subtract_mean else None
   rstd_gmem = refs.pop(0) if save_stats else None
-  x_ring, y_ring, x_bars, mean_smem, rstd_smem, sums_smem = refs
+  direct = DIRECT_STORE and rows_per_step(features) == 1
+  if direct:
+    x_ring, x_bars, mean_smem, rstd_smem, sums_smem = refs
+    y_ring = None
+  else:
+    x_ring, y_ring, x_bars, mean_smem, rstd_smem, sums_smem = refs
   f, rps = features, rows_per_step(features)
   nc, c = features // _chunk(features), _chunk(features)
   layout = _layout(f, rps)
@@ -327,10 +335,14 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
       s1, s2 = _shifted_row_sums(x, shift, half, sums_smem, interpret)
       m1 = s1 / f
       var = s2 / f - m1 * m1
-      mean = shift + m1
+      # A poor shift: both statistics again, exactly (two passes).
+      def exact(x):
+        mean = jnp.sum(x) / f
+        d = x - mean
+        return mean, jnp.sum(d * d) / f
+      mean, var = lax.cond(m1 * m1 > SHIFT_RATIO**2 * var, exact,
+                           lambda x: (shift + m1, var), x)
       x = x - mean
-      var = lax.cond(m1 * m1 > SHIFT_RATIO**2 * var,
-                     lambda x: jnp.sum(x * x) / f, lambda x: var, x)
       rstd = lax.rsqrt(var + epsilon)
     else:
       if subtract_mean:
@@ -365,8 +377,14 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
       y, mean, rstd = normalise(x.astype(jnp.float32), shift, half)
       if one_exchange:
         shift = mean
-      y = y.astype(y_smem.dtype)
-      if rps == 1:
+      y = y.astype(x_gmem.dtype)
+      if direct:
+        row = (g + k * programs) * block_rows + r
+
+        @pl.when(row < rows)
+        def _():
+          y_gmem[row] = y
+      elif rps == 1:
         y_smem[r] = y
       elif interpret:
         y_smem[pl.ds(r, rps)] = y.reshape(rps, nc, c)
@@ -385,8 +403,11 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
     slot, out_slot = lax.rem(k, jnp.int32(stages)), lax.rem(k, jnp.int32(out_stages))
     plgpu.barrier_wait(x_bars.at[slot])
     # The y slot (and a stats chunk) is free once its store has read it.
-    plgpu.wait_smem_to_gmem(out_stages - 1, wait_read_only=True)
-    shift = block(k, x_ring.at[slot], y_ring.at[out_slot], shift)
+    if not direct:
+      plgpu.wait_smem_to_gmem(out_stages - 1, wait_read_only=True)
+    elif save_stats:  # the mean and rstd stores of the last chunk may be pending
+      plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+    shift = block(k, x_ring.at[slot], None if direct else y_ring.at[out_slot], shift)
     plgpu.commit_smem()
 
     @pl.when(k + stages < my_trips)
@@ -403,9 +424,10 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
         dst = (g, pl.ds(chunk * _STAT_CHUNK, _STAT_CHUNK))
         for src, gm in ((mean_smem, mean_gmem), (rstd_smem, rstd_gmem)):
           if gm is not None:  # committed with this trip's y store below
-            plgpu.copy_smem_to_gmem(src.at[half], gm.at[dst], commit_group=False)
+            plgpu.copy_smem_to_gmem(src.at[half], gm.at[dst], commit_group=direct)
 
-    plgpu.copy_smem_to_gmem(y_ring.at[out_slot], y_gmem.at[rows_of(k)])
+    if not direct:
+      plgpu.copy_smem_to_gmem(y_ring.at[out_slot], y_gmem.at[rows_of(k)])
     return shift
 
   lax.fori_loop(jnp.int32(0), my_trips, trip, jnp.float32(0.0))
@@ -442,7 +464,8 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
       out_type=out_type,
       scratch_types=[
           plgpu.SMEM((config.stages, br, nc, c), x2.dtype),
-          plgpu.SMEM((config.out_stages, br, nc, c), x2.dtype),
+          *([] if DIRECT_STORE and rps == 1 else
+            [plgpu.SMEM((config.out_stages, br, nc, c), x2.dtype)]),
           plgpu.Barrier(num_barriers=config.stages),
           plgpu.SMEM((2 * _STAT_CHUNK,), jnp.float32),
           plgpu.SMEM((2 * _STAT_CHUNK,), jnp.float32),
