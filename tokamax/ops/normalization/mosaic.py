@@ -15,9 +15,11 @@ warp (the row reductions are warp shuffles); F <= 4096, 2 rows, each across
 two warps; larger F, one row across the warpgroup (`Layout.WG_STRIDED`).
 Reductions across warps go through shared memory. A block's rows are read
 into registers before any is normalised (`LOAD_BLOCK_FIRST`). scale and
-offset are loaded once per CTA into registers. Statistics and arithmetic in
-f32, as in the XLA reference: mean = sum(x)/F,
-rstd = rsqrt(sum((x - mean)^2)/F + eps).
+offset are loaded once per CTA into registers, while the ring's first
+blocks are in flight. Statistics and arithmetic in f32, as in the XLA
+reference: mean = sum(x)/F, rstd = rsqrt(sum((x - mean)^2)/F + eps); rows
+across the warpgroup get both sums in one exchange, shifted by the previous
+row's mean, with the two exact passes as the fallback (`ONE_EXCHANGE`).
 
 Residuals (mean or None, rstd; those of the XLA reference) when the gradient
 is taken: each CTA collects its rows' statistics in shared-memory chunks of
@@ -69,25 +71,23 @@ _TARGET_BLOCK_BYTES = 16 * 1024
 # Read a block's rows into registers before normalising any of them (a
 # compile-time switch; benchmarks/layer_norm_mosaic_sweep.py A/Bs it).
 LOAD_BLOCK_FIRST = True
-# Issue the ring's first TMA loads before loading scale/offset (64 KiB of f32
-# at F = 8192), so the first blocks are in flight while the parameters come.
-PRIME_FIRST = True
-# Compile without Pallas' automatic warpgroup barriers around every
-# shared-memory store (two per stored row). Safe here: each trip's
-# wait_smem_to_gmem ends in a warpgroup barrier (the y slot and statistics
-# chunk are free before any thread writes them) and commit_smem in another
-# (every thread's reads of the x slot and writes of the y slot are done
-# before the TMA refill and store are issued).
-NO_AUTO_BARRIERS = False
+# Rows per step whose kernels compile without Pallas' automatic warpgroup
+# barriers around every shared-memory store (two per stored step): measured
+# +1.5 % at F = 2048 (2 rows per step), -6 % at F = 1024 (4), neutral at
+# 8192 (1) on the H200 (docs/benchmarks.md, 2026-12-02 13:30). Safe: each
+# trip's wait_smem_to_gmem ends in a warpgroup barrier (the y slot and
+# statistics chunk are free before any thread writes them) and commit_smem
+# in another (every thread's reads of the x slot and writes of the y slot
+# are done before the TMA refill and store are issued).
+NO_AUTO_BARRIERS_ROWS_PER_STEP = (2,)
 # Rows spanning the warpgroup (F > 4096) with a mean: both sums of the
-# statistics in one cross-warp exchange, shifted by the previous row's mean
-# (`_shifted_row_sums`); a row whose mean lies more than SHIFT_RATIO standard
-# deviations from that shift takes the exact second pass instead.
+# statistics in one cross-warp exchange (one barrier instead of four),
+# shifted by the previous row's mean (`_shifted_row_sums`); a row whose mean
+# lies more than SHIFT_RATIO standard deviations from that shift gets both
+# statistics again in two exact passes. H200, 8192^2: +0.9 % (3.82 vs 3.79
+# TB/s, same run).
 ONE_EXCHANGE = True
 SHIFT_RATIO = 2.0
-# Rows spanning the warpgroup: store y from registers to global memory
-# (16-byte stores per thread) instead of through the y ring and a TMA store.
-DIRECT_STORE = False
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -213,10 +213,11 @@ def _shifted_row_sums(x, shift, half, scratch, interpret: bool):
   reaches after reading it.
 
   Why shifted sums are safe here: var = sum(d^2)/F - (sum(d)/F)^2 loses
-  about (mean - shift)^2 / var ulps to cancellation (Chan, Golub & LeVeque,
-  "Algorithms for computing the sample variance", 1983, Sec. 3), so the
-  caller keeps it only when |mean - shift| <= SHIFT_RATIO sigma (<= 65 ulps
-  of f32) and otherwise recomputes the exact two-pass sum.
+  about 1 + (mean - shift)^2 / var ulps to cancellation (the shifted
+  one-pass algorithm in Chan, Golub & LeVeque, "Algorithms for computing
+  the sample variance: analysis and recommendations", 1983), so the caller
+  keeps it only when |mean - shift| <= SHIFT_RATIO sigma (5 ulps of f32 at
+  2) and otherwise recomputes mean and variance in two exact passes.
   """
   if interpret:  # the same sums, without layouts
     d = x - shift
@@ -284,12 +285,7 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
   y_gmem = refs.pop(0)
   mean_gmem = refs.pop(0) if save_stats and subtract_mean else None
   rstd_gmem = refs.pop(0) if save_stats else None
-  direct = DIRECT_STORE and rows_per_step(features) == 1
-  if direct:
-    x_ring, x_bars, mean_smem, rstd_smem, sums_smem = refs
-    y_ring = None
-  else:
-    x_ring, y_ring, x_bars, mean_smem, rstd_smem, sums_smem = refs
+  x_ring, y_ring, x_bars, mean_smem, rstd_smem, sums_smem = refs
   f, rps = features, rows_per_step(features)
   nc, c = features // _chunk(features), _chunk(features)
   layout = _layout(f, rps)
@@ -310,14 +306,12 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
     p = p.astype(jnp.float32) + add
     return p if rps == 1 else lax.broadcast_in_dim(p, (rps, f), (1,))
 
-  def prime():  # the ring's first blocks
-    for k in range(stages):
-      @pl.when(k < my_trips)
-      def _():
-        plgpu.copy_gmem_to_smem(x_gmem.at[rows_of(k)], x_ring.at[k], x_bars.at[k])
+  # The ring's first blocks, in flight while scale/offset load.
+  for k in range(stages):
+    @pl.when(k < my_trips)
+    def _():
+      plgpu.copy_gmem_to_smem(x_gmem.at[rows_of(k)], x_ring.at[k], x_bars.at[k])
 
-  if PRIME_FIRST:
-    prime()
   scale = load_param(s_gmem, scale_offset) if has_scale else None
   offset = load_param(o_gmem) if has_offset else None
 
@@ -377,14 +371,8 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
       y, mean, rstd = normalise(x.astype(jnp.float32), shift, half)
       if one_exchange:
         shift = mean
-      y = y.astype(x_gmem.dtype)
-      if direct:
-        row = (g + k * programs) * block_rows + r
-
-        @pl.when(row < rows)
-        def _():
-          y_gmem[row] = y
-      elif rps == 1:
+      y = y.astype(y_smem.dtype)
+      if rps == 1:
         y_smem[r] = y
       elif interpret:
         y_smem[pl.ds(r, rps)] = y.reshape(rps, nc, c)
@@ -396,18 +384,12 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
             ref[pl.ds(pos + r, rps)] = v if rps > 1 else jnp.broadcast_to(v, (1,))
     return shift
 
-  if not PRIME_FIRST:
-    prime()
-
   def trip(k, shift):
     slot, out_slot = lax.rem(k, jnp.int32(stages)), lax.rem(k, jnp.int32(out_stages))
     plgpu.barrier_wait(x_bars.at[slot])
     # The y slot (and a stats chunk) is free once its store has read it.
-    if not direct:
-      plgpu.wait_smem_to_gmem(out_stages - 1, wait_read_only=True)
-    elif save_stats:  # the mean and rstd stores of the last chunk may be pending
-      plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-    shift = block(k, x_ring.at[slot], None if direct else y_ring.at[out_slot], shift)
+    plgpu.wait_smem_to_gmem(out_stages - 1, wait_read_only=True)
+    shift = block(k, x_ring.at[slot], y_ring.at[out_slot], shift)
     plgpu.commit_smem()
 
     @pl.when(k + stages < my_trips)
@@ -424,10 +406,9 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
         dst = (g, pl.ds(chunk * _STAT_CHUNK, _STAT_CHUNK))
         for src, gm in ((mean_smem, mean_gmem), (rstd_smem, rstd_gmem)):
           if gm is not None:  # committed with this trip's y store below
-            plgpu.copy_smem_to_gmem(src.at[half], gm.at[dst], commit_group=direct)
+            plgpu.copy_smem_to_gmem(src.at[half], gm.at[dst], commit_group=False)
 
-    if not direct:
-      plgpu.copy_smem_to_gmem(y_ring.at[out_slot], y_gmem.at[rows_of(k)])
+    plgpu.copy_smem_to_gmem(y_ring.at[out_slot], y_gmem.at[rows_of(k)])
     return shift
 
   lax.fori_loop(jnp.int32(0), my_trips, trip, jnp.float32(0.0))
@@ -464,8 +445,7 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
       out_type=out_type,
       scratch_types=[
           plgpu.SMEM((config.stages, br, nc, c), x2.dtype),
-          *([] if DIRECT_STORE and rps == 1 else
-            [plgpu.SMEM((config.out_stages, br, nc, c), x2.dtype)]),
+          plgpu.SMEM((config.out_stages, br, nc, c), x2.dtype),
           plgpu.Barrier(num_barriers=config.stages),
           plgpu.SMEM((2 * _STAT_CHUNK,), jnp.float32),
           plgpu.SMEM((2 * _STAT_CHUNK,), jnp.float32),
@@ -475,7 +455,7 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
       grid_names=("g",),
       kernel_name="tokamax_layer_norm_fwd_mosaic",
       compiler_params=pallas_mosaic.compiler_params(
-          unsafe_no_auto_barriers=NO_AUTO_BARRIERS),
+          unsafe_no_auto_barriers=rps in NO_AUTO_BARRIERS_ROWS_PER_STEP),
       interpret=interpret,
   )
   outs = kernel(*inputs)
