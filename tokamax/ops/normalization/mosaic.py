@@ -32,10 +32,10 @@ Supported: NVIDIA sm_90 (or the Mosaic GPU interpreter, see
 `tokamax._src.pallas_mosaic`), bf16/f16 x, any float scale/offset (not
 f64), 32 <= F <= 8192 with F a multiple of 32 (F <= 1024), 64 (<= 4096)
 or 128.
-H200, bf16 x, f32 scale/offset, forward: 3.80-3.83 TB/s at 8192x8192,
-3.91-3.93 at 65536x1024, 3.81 at 16384x4096, 3.87 at 32768x2048, 3.88 at
-131072x512, against 3.44-3.47 / 3.77-3.81 / 3.22 / 3.42 / 3.43 for "triton"
-(docs/benchmarks.md, 2026-12-02).
+H200, bf16 x, f32 scale/offset, forward: 3.81-3.83 TB/s at 8192x8192,
+3.93 at 65536x1024, 3.79 at 16384x4096, 3.95 at 32768x2048, 3.90 at
+131072x512, against 3.45 / 3.79 / 3.22 / 3.45 / 3.45 for "triton" in the
+same run (docs/benchmarks.md, 2026-12-02 13:30).
 """
 
 from __future__ import annotations
