@@ -4,9 +4,9 @@ Usage: python benchmarks/layer_norm_mosaic_sweep.py [OUT_DIR] [SHAPES] [heuristi
 x bf16 [R, F], f32 scale and offset, forward only, TB/s of x read + y
 written. Per shape: "triton" and XLA, then the heuristic config and its
 neighbours (stages 2-5 x output slots 1-2 at the heuristic block_rows;
-block_rows halved and doubled; two CTAs per SM at 2-3 stages; only the heuristic with the word
-"heuristic"), each checked against XLA's f32 result (max relative error
-recorded; a wrong config fails the script). With FLAG=A,B (module-level
+block_rows halved and doubled; two CTAs per SM at 2-3 stages; only the
+heuristic with the word "heuristic"), each checked against XLA's f32
+result (max relative error recorded; a wrong config fails the script). With FLAG=A,B (module-level
 constants of tokamax.ops.normalization.mosaic and Python literals; several
 give their product) every config runs once per setting, in two passes (the
 second in reverse order) so the spread between passes shows. SHAPES:

@@ -159,8 +159,9 @@ if [[ $what == ln_loop ]]; then
 fi
 if [[ $what == ln_mosaic ]]; then
   # Mosaic layer_norm: its GPU tests, the sweep (SWEEP = the sweep script's
-  # arguments after OUT; SWEEP2 a second one into $OUT/b), then Nsight Compute on the forward kernel for each
-  # "RxF:NAME=VALUE,..." of PROFILES (text pages back as $OUT/ncu_ln.tar.gz).
+  # arguments after OUT; SWEEP2 a second one into $OUT/b), then Nsight
+  # Compute on the forward kernel for each "RxF:NAME=VALUE,..." of PROFILES
+  # (text pages back as $OUT/ncu_ln.tar.gz).
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TEST_S:-200} python3 -m pytest -q -n 12 -p no:cacheprovider \
     -m gpu tests/test_layer_norm.py -k "${TESTS:-Mosaic or mosaic}" 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
   timeout ${SWEEP_S:-200} python3 benchmarks/layer_norm_mosaic_sweep.py "$OUT" ${SWEEP:-} 2>&1 \
