@@ -13,6 +13,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
   --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 status=0
+# Text pages of the Nsight Compute report /tmp/ncu/$1.ncu-rep: details, raw
+# metrics (CSV) and per-instruction SASS samples (CSV).
+ncu_pages() {
+  ncu -i "/tmp/ncu/$1.ncu-rep" --page details > "/tmp/ncu/$1.txt" 2>&1
+  ncu -i "/tmp/ncu/$1.ncu-rep" --page raw --csv > "/tmp/ncu/${1}_raw.csv" 2>&1
+  ncu -i "/tmp/ncu/$1.ncu-rep" --page source --print-source sass --csv > "/tmp/ncu/${1}_sass.csv" 2>&1
+}
 if [[ $what == all || $what == tests ]]; then
   # The demo's autotuning results land in $OUT/cache (shipped cache candidates).
   TOKAMAX_CACHE_DIR="$OUT/cache" python3 scripts/demo.py 2>&1 | tee "$OUT/demo.log" || status=1
@@ -125,9 +132,7 @@ if [[ $what == ncu ]]; then
     timeout 150 ncu --clock-control none --set full -k "regex:$pat" --launch-skip "$skip" \
       --launch-count "$count" -f -o "/tmp/ncu/$name" \
       python3 benchmarks/profile_attention.py "$impl" "$shape" "$causal" "$mode" 2>&1 | tail -3
-    ncu -i "/tmp/ncu/$name.ncu-rep" --page details > "/tmp/ncu/$name.txt" 2>&1
-    ncu -i "/tmp/ncu/$name.ncu-rep" --page raw --csv > "/tmp/ncu/${name}_raw.csv" 2>&1
-    ncu -i "/tmp/ncu/$name.ncu-rep" --page source --print-source sass --csv > "/tmp/ncu/${name}_sass.csv" 2>&1
+    ncu_pages "$name"
     grep -E "Duration|Registers Per|Achieved Occ|Issue Slots Busy|Compute \(SM\) Th" "/tmp/ncu/$name.txt" | head -12
   done
   tar -C /tmp/ncu -czf "$OUT/ncu.tar.gz" .
@@ -177,9 +182,7 @@ if [[ $what == ln_mosaic ]]; then
     timeout 120 ncu --clock-control none --set full -k regex:tokamax_layer_norm --launch-skip 2 \
       --launch-count 1 -f -o "/tmp/ncu/$name" python3 benchmarks/profile_layer_norm.py mosaic \
       "${p%%:*}" "${p#*:}" 2>&1 | tail -2
-    ncu -i "/tmp/ncu/$name.ncu-rep" --page details > "/tmp/ncu/$name.txt" 2>&1
-    ncu -i "/tmp/ncu/$name.ncu-rep" --page raw --csv > "/tmp/ncu/${name}_raw.csv" 2>&1
-    ncu -i "/tmp/ncu/$name.ncu-rep" --page source --print-source sass --csv > "/tmp/ncu/${name}_sass.csv" 2>&1
+    ncu_pages "$name"
     grep -E "Duration|Registers Per|DRAM Throughput|Issue Slots Busy|Memory Throughput" "/tmp/ncu/$name.txt" | head -8
   done
   [[ -n ${PROFILES:-} ]] && tar -C /tmp/ncu -czf "$OUT/ncu_ln.tar.gz" .
