@@ -510,7 +510,7 @@ class TestMosaicInterpret(LayerNormTestBase):
       yield
 
   @pytest.mark.parametrize("features, block_rows, programs_per_sm, out_stages", [
-      (64, 4, 1, 1), (96, 8, 2, 2), (2048, 2, 1, 2), (5120, 1, 1, 1)])
+      (64, 4, 1, 1), (96, 8, 2, 2), (2048, 2, 1, 2), (5120, 1, 1, 1), (5120, 2, 1, 2)])
   @pytest.mark.parametrize("params", ["none", "scale", "offset", "both"])
   @pytest.mark.parametrize("subtract_mean", [True, False])
   def test_blocks_trips_and_statistics(self, monkeypatch, features, block_rows,
