@@ -88,17 +88,6 @@ NO_AUTO_BARRIERS_ROWS_PER_STEP = (2,)
 # TB/s, same run).
 ONE_EXCHANGE = True
 SHIFT_RATIO = 2.0
-# With ONE_EXCHANGE (and LOAD_BLOCK_FIRST): refill a ring slot right after
-# the block's first statistics exchange (every thread has its rows in
-# registers by that warpgroup barrier) instead of after the block's y is
-# written, so a slot is back in flight for the whole normalisation.
-EARLY_RELEASE = True
-# Warpgroups sharing each row when a row spans the warpgroup (F > 4096) and
-# blocks are single rows: 2 splits the row's columns between two warpgroups
-# of one CTA (each holds half the row and half of scale/offset; one
-# CTA-wide exchange per row), doubling the warps per SM at the same bytes
-# in flight; 1 keeps one warpgroup per row.
-ROW_WARPGROUPS = 2
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -214,26 +203,14 @@ def _layout(features: int, rps: int):
                             lane_dims=(-2,), vector_dim=-1)
 
 
-def _row_warpgroups(features: int, block_rows: int) -> int:
-  """Warpgroups per CTA sharing each row (see ROW_WARPGROUPS)."""
-  nc = features // _chunk(features)
-  if (ROW_WARPGROUPS == 2 and rows_per_step(features) == 1 and block_rows == 1
-      and nc % 2 == 0 and (features // 2) % 128 == 0):
-    return 2
-  return 1
-
-
-def _shifted_row_sums(x, shift, half, scratch, wgs: int, exchanged, interpret: bool):
-  """(sum(d), sum(d^2)) with d = x - shift over one row, of which this
-  warpgroup holds x [F/C/wgs, C] (f32, WG_STRIDED), with a single exchange:
-  lane 0 of each warp puts its two partial sums into half `half` (0 or 1)
-  of `scratch` [2, 16] f32, one barrier (of the warpgroup, or of the CTA
-  when `wgs` = 2 warpgroups share the row), every thread adds the pairs in
-  the same order (so the sums, and any branch on them, are uniform across
-  the CTA). Consecutive exchanges alternate halves: a half is rewritten only
-  after the next exchange's barrier, which every thread reaches after
-  reading it. The interpreter exchanges the warpgroups' sums through
-  `scratch` and the `exchanged` barrier (2 arrivals) instead.
+def _shifted_row_sums(x, shift, half, scratch, interpret: bool):
+  """(sum(d), sum(d^2)) with d = x - shift over one row x [F/C, C] (f32,
+  WG_STRIDED), with a single cross-warp exchange: lane 0 of each warp puts
+  its two partial sums into half `half` (0 or 1) of `scratch` [16] f32, one
+  barrier, every thread adds the four pairs in the same order (so the sums,
+  and any branch on them, are uniform). Consecutive rows alternate halves:
+  a half is rewritten only after the next row's barrier, which every thread
+  reaches after reading it.
 
   Why shifted sums are safe here: var = sum(d^2)/F - (sum(d)/F)^2 loses
   about 1 + (mean - shift)^2 / var ulps to cancellation (the shifted
@@ -243,25 +220,13 @@ def _shifted_row_sums(x, shift, half, scratch, wgs: int, exchanged, interpret: b
   2) and otherwise recomputes mean and variance in two exact passes.
   """
   if interpret:  # the same sums, without layouts
-    # Down the columns first, then across (short chains then a tree, like
-    # the threads' sums and their shuffles on the GPU).
-    # (The barrier keeps XLA from merging the two reductions into one.)
     d = x - shift
-    cols = lax.optimization_barrier((jnp.sum(d, axis=0), jnp.sum(d * d, axis=0)))
-    sums = tuple(jnp.sum(v) for v in cols)
-    if wgs == 1:
-      return sums
-    wg = lax.axis_index("wg")
-    for i, v in enumerate(sums):
-      scratch[half, 2 * wg + i] = v
-    plgpu.barrier_arrive(exchanged)
-    plgpu.barrier_wait(exchanged)
-    return (scratch[half, 0] + scratch[half, 2], scratch[half, 1] + scratch[half, 3])
+    return jnp.sum(d), jnp.sum(d * d)
   splat = plgpu.Layout.WG_SPLAT(())
   out = plgpu.ShapeDtypeStruct((), jnp.float32, splat)
-  layout = plgpu.Layout.WG_STRIDED(x.shape, vec_size=_vector(x.size, 128))
 
-  @plgpu.inline_mgpu(arg_types=(layout, splat, splat, plgpu.RefType()),
+  @plgpu.inline_mgpu(arg_types=(_layout(x.shape[0] * x.shape[1], 1), splat, splat,
+                                plgpu.RefType()),
                      return_type=(out, out))
   def run(_, x, shift, half, scratch):
     i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
@@ -286,32 +251,24 @@ def _shifted_row_sums(x, shift, half, scratch, wgs: int, exchanged, interpret: b
     for stride in (1, 2, 4, 8, 16):  # across the warp, both sums interleaved
       ps = arith.addf(ps, mgpu.utils.shfl_bfly(ps, stride))
       pq = arith.addf(pq, mgpu.utils.shfl_bfly(pq, stride))
-    # Pair of warp w (of the CTA's warps sharing the row) at 2 w.
-    tid = arith.remui(mgpu.utils.thread_idx(), cst(128 * wgs))
-    index = lambda v: arith.index_cast(ir.IndexType.get(), v)
-    slot = arith.muli(arith.divui(tid, cst(32)), cst(2))
+    tid = arith.remui(mgpu.utils.thread_idx(), cst(128))
+    base = arith.muli(half.registers.item(), cst(8))
+    slot = arith.addi(base, arith.muli(arith.divui(tid, cst(32)), cst(2)))
     lane0 = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, cst(32)), cst(0))
-    row = index(half.registers.item())
     write = scf.IfOp(lane0)
     with ir.InsertionPoint(write.then_block):
-      memref.store(ps, scratch, [row, index(slot)])
-      memref.store(pq, scratch, [row, index(arith.addi(slot, cst(1)))])
+      index = lambda v: arith.index_cast(ir.IndexType.get(), v)
+      memref.store(ps, scratch, [index(slot)])
+      memref.store(pq, scratch, [index(arith.addi(slot, cst(1)))])
       scf.yield_([])
-    if wgs == 1:
-      mgpu.utils.warpgroup_barrier()
-    else:  # barrier 0: every thread of the CTA (gpu.barrier's number)
-      mgpu.utils.inline_ptx("bar.sync 0;", has_side_effects=True)
-    pairs = vector.load(ir.VectorType.get((8 * wgs,), f32), scratch, [row, index(cst(0))])
+    mgpu.utils.warpgroup_barrier()
+    pairs = vector.load(ir.VectorType.get((8,), f32), scratch,
+                        [arith.index_cast(ir.IndexType.get(), base)])
     part = [vector.extract(pairs, dynamic_position=[], static_position=[i])
-            for i in range(8 * wgs)]
+            for i in range(8)]
     add = arith.addf
-
-    def tree(vals):  # a fixed order, the same in every thread
-      while len(vals) > 1:
-        vals = [add(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
-      return vals[0]
-
-    total_s, total_q = tree(part[0::2]), tree(part[1::2])
+    total_s = add(add(part[0], part[2]), add(part[4], part[6]))
+    total_q = add(add(part[1], part[3]), add(part[5], part[7]))
     return (mgpu.FragmentedArray.splat(total_s, ()),
             mgpu.FragmentedArray.splat(total_q, ()))
 
@@ -319,27 +276,19 @@ def _shifted_row_sums(x, shift, half, scratch, wgs: int, exchanged, interpret: b
 
 
 def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
-                programs, wgs, epsilon, scale_offset, subtract_mean, has_scale,
+                programs, epsilon, scale_offset, subtract_mean, has_scale,
                 has_offset, save_stats, interpret):
-  """One CTA (`wgs` warpgroups sharing each row): row blocks g, g + P, ...
-  of x [R, F/C, C]."""
+  """One CTA (a warpgroup): row blocks g, g + P, ... of x [R, F/C, C]."""
   refs = list(refs)
   s_gmem = refs.pop(0) if has_scale else None
   o_gmem = refs.pop(0) if has_offset else None
   y_gmem = refs.pop(0)
   mean_gmem = refs.pop(0) if save_stats and subtract_mean else None
   rstd_gmem = refs.pop(0) if save_stats else None
-  x_ring, y_ring, x_bars, mean_smem, rstd_smem, sums_smem, exchanged = refs
+  x_ring, y_ring, x_bars, mean_smem, rstd_smem, sums_smem = refs
   f, rps = features, rows_per_step(features)
   nc, c = features // _chunk(features), _chunk(features)
   layout = _layout(f, rps)
-  # wgs = 2: warpgroup wg holds the row's chunks `cols` (and of scale/offset).
-  wg = lax.axis_index("wg") if wgs == 2 else 0
-  cols = pl.ds(wg * (nc // 2), nc // 2) if wgs == 2 else slice(None)
-  if wgs == 2:
-    layout = plgpu.Layout.WG_STRIDED((nc // 2, c), vec_size=_vector(f // 2, 128))
-  # The warpgroup that issues the x loads and stores the statistics.
-  by_leader = (lambda cond: cond & (wg == 0)) if wgs == 2 else (lambda cond: cond)
   nblocks = pl.cdiv(rows, block_rows)
   g = lax.axis_index("g")
   # The first nblocks % P CTAs take one block more than the others.
@@ -348,10 +297,10 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
 
   def load_param(ref, add=0.0):
     if interpret:  # the interpreter has no layouts and no reshaped refs
-      p = ref[cols].astype(jnp.float32)
+      p = ref[...].astype(jnp.float32)
       return (p + add).reshape(f) if rps > 1 else p + add
     if rps == 1:
-      p = plgpu.load(ref.at[cols], layout=layout, optimized=False)
+      p = plgpu.load(ref, layout=layout, optimized=False)
     else:
       p = plgpu.load(ref.reshape(f), layout=layout.reduce(0), optimized=False)
     p = p.astype(jnp.float32) + add
@@ -359,7 +308,7 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
 
   # The ring's first blocks, in flight while scale/offset load.
   for k in range(stages):
-    @pl.when(by_leader(k < my_trips))
+    @pl.when(k < my_trips)
     def _():
       plgpu.copy_gmem_to_smem(x_gmem.at[rows_of(k)], x_ring.at[k], x_bars.at[k])
 
@@ -368,44 +317,26 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
 
   one_exchange = ONE_EXCHANGE and rps == 1 and subtract_mean
 
-  def row_sums(x, shift, buf):
-    """(sum(x - shift), sum((x - shift)^2)) over the row, through exchange
-    buffer `buf` of sums_smem: 0/1 alternate by row, 2 and 3 are the exact
-    passes' (every buffer is rewritten only after a later barrier)."""
-    return _shifted_row_sums(x, shift, buf, sums_smem, wgs, exchanged, interpret)
-
-  def exact(x):
-    """Mean and variance in two exact passes."""
-    if wgs == 1:
-      mean = jnp.sum(x) / f
-      d = x - mean
-      return mean, jnp.sum(d * d) / f
-    mean = row_sums(x, jnp.float32(0.0), jnp.int32(2))[0] / f
-    return mean, row_sums(x, mean, jnp.int32(3))[1] / f
-
   def normalise(x, shift, half):
     """x: rps rows (f32) -> (y, mean, rstd); mean/rstd [rps] or scalars.
 
     shift, half: the previous row's mean and this row's exchange half (used
-    with one_exchange and wgs = 2)."""
+    with one_exchange)."""
     axis = None if rps == 1 else 1
     per_row = (lambda v: v) if rps == 1 else (lambda v: lax.broadcast_in_dim(v, x.shape, (0,)))
     mean = None
     if one_exchange:
-      s1, s2 = row_sums(x, shift, half)
+      s1, s2 = _shifted_row_sums(x, shift, half, sums_smem, interpret)
       m1 = s1 / f
       var = s2 / f - m1 * m1
       # A poor shift: both statistics again, exactly (two passes).
+      def exact(x):
+        mean = jnp.sum(x) / f
+        d = x - mean
+        return mean, jnp.sum(d * d) / f
       mean, var = lax.cond(m1 * m1 > SHIFT_RATIO**2 * var, exact,
                            lambda x: (shift + m1, var), x)
       x = x - mean
-      rstd = lax.rsqrt(var + epsilon)
-    elif wgs == 2:  # statistics across both warpgroups
-      if subtract_mean:
-        mean, var = exact(x)
-        x = x - mean
-      else:
-        var = row_sums(x, jnp.float32(0.0), half)[1] / f
       rstd = lax.rsqrt(var + epsilon)
     else:
       if subtract_mean:
@@ -421,18 +352,14 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
 
   def load(x_smem, r):
     if rps == 1:
-      return plgpu.load(x_smem.at[r, cols], layout=layout) if not interpret else x_smem[r, cols]
+      return plgpu.load(x_smem.at[r], layout=layout) if not interpret else x_smem[r]
     if interpret:
       return x_smem[pl.ds(r, rps)].reshape(rps, f)
     return plgpu.load(x_smem.reshape(block_rows, f).at[pl.ds(r, rps)], layout=layout)
 
-  # The first exchange's barrier follows every thread's loads of the block.
-  early_release = EARLY_RELEASE and LOAD_BLOCK_FIRST and (one_exchange or wgs == 2)
-
-  def block(k, x_smem, y_smem, shift, release):
+  def block(k, x_smem, y_smem, shift):
     """Normalises block k (x_smem -> y_smem); returns its last row's mean
-    (the next shift; one_exchange only, else `shift` unchanged). Calls
-    `release()` (early_release) once x_smem is no longer read."""
+    (the next shift; one_exchange only, else `shift` unchanged)."""
     pos = lax.rem(k * block_rows, jnp.int32(2 * _STAT_CHUNK))  # in the 2-chunk stats ring
     steps = range(0, block_rows, rps)
     # All of the block's rows are read before any y is written: shared-memory
@@ -442,26 +369,19 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
       x = xs[i] if LOAD_BLOCK_FIRST else load(x_smem, r)
       half = lax.rem(k * block_rows + r, jnp.int32(2))
       y, mean, rstd = normalise(x.astype(jnp.float32), shift, half)
-      if early_release and i == 0:
-        release()  # after the exchange's barrier: every row is in registers
       if one_exchange:
         shift = mean
       y = y.astype(y_smem.dtype)
       if rps == 1:
-        y_smem.at[r, cols][...] = y
+        y_smem[r] = y
       elif interpret:
         y_smem[pl.ds(r, rps)] = y.reshape(rps, nc, c)
       else:
         y_smem.reshape(block_rows, f)[pl.ds(r, rps)] = y
       if save_stats:
-        def store_stats():
-          for ref, v in ((mean_smem, mean), (rstd_smem, rstd)):
-            if v is not None:
-              ref[pl.ds(pos + r, rps)] = v if rps > 1 else jnp.broadcast_to(v, (1,))
-        if wgs == 2:
-          pl.when(wg == 0)(store_stats)
-        else:
-          store_stats()
+        for ref, v in ((mean_smem, mean), (rstd_smem, rstd)):
+          if v is not None:
+            ref[pl.ds(pos + r, rps)] = v if rps > 1 else jnp.broadcast_to(v, (1,))
     return shift
 
   def trip(k, shift):
@@ -469,21 +389,17 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
     plgpu.barrier_wait(x_bars.at[slot])
     # The y slot (and a stats chunk) is free once its store has read it.
     plgpu.wait_smem_to_gmem(out_stages - 1, wait_read_only=True)
-
-    def refill():
-      @pl.when(by_leader(k + stages < my_trips))
-      def _():
-        plgpu.copy_gmem_to_smem(x_gmem.at[rows_of(k + stages)], x_ring.at[slot],
-                                x_bars.at[slot])
-
-    shift = block(k, x_ring.at[slot], y_ring.at[out_slot], shift, refill)
+    shift = block(k, x_ring.at[slot], y_ring.at[out_slot], shift)
     plgpu.commit_smem()
-    if not early_release:
-      refill()
+
+    @pl.when(k + stages < my_trips)
+    def _():
+      plgpu.copy_gmem_to_smem(x_gmem.at[rows_of(k + stages)], x_ring.at[slot],
+                              x_bars.at[slot])
 
     if save_stats:
       done = (k + 1) * block_rows
-      @pl.when(by_leader((lax.rem(done, jnp.int32(_STAT_CHUNK)) == 0) | (k + 1 == my_trips)))
+      @pl.when((lax.rem(done, jnp.int32(_STAT_CHUNK)) == 0) | (k + 1 == my_trips))
       def _():
         chunk = (done - 1) // _STAT_CHUNK
         half = pl.ds(lax.rem(chunk, jnp.int32(2)) * _STAT_CHUNK, _STAT_CHUNK)
@@ -492,11 +408,7 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
           if gm is not None:  # committed with this trip's y store below
             plgpu.copy_smem_to_gmem(src.at[half], gm.at[dst], commit_group=False)
 
-    if wgs == 2:  # each warpgroup stores its half of the (one-row) block
-      plgpu.copy_smem_to_gmem(y_ring.at[out_slot, 0, cols],
-                              y_gmem.at[g + k * programs, cols])
-    else:
-      plgpu.copy_smem_to_gmem(y_ring.at[out_slot], y_gmem.at[rows_of(k)])
+    plgpu.copy_smem_to_gmem(y_ring.at[out_slot], y_gmem.at[rows_of(k)])
     return shift
 
   lax.fori_loop(jnp.int32(0), my_trips, trip, jnp.float32(0.0))
@@ -515,8 +427,6 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
   stat_cols = pl.cdiv(trips * br, _STAT_CHUNK) * _STAT_CHUNK
   nc, c = f // _chunk(f), _chunk(f)
   rps = rows_per_step(f)
-  wgs = _row_warpgroups(f, br)
-  interpret = pallas_mosaic.interpret_params()
   # TMA boxes are at most 256 wide: x and the parameters as [.., F/C, C].
   inputs = [x2.reshape(rows, nc, c)]
   inputs += [p.reshape(nc, c) for p in (scale, offset) if p is not None]
@@ -524,10 +434,11 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
   out_type = [jax.ShapeDtypeStruct((rows, nc, c), x2.dtype)]
   if return_residuals:
     out_type += [stat, stat] if subtract_mean else [stat]
+  interpret = pallas_mosaic.interpret_params()
   kernel = plgpu.kernel(
       functools.partial(
           _fwd_kernel, rows=rows, features=f, block_rows=br, stages=config.stages,
-          out_stages=config.out_stages, programs=programs, wgs=wgs, epsilon=float(epsilon),
+          out_stages=config.out_stages, programs=programs, epsilon=float(epsilon),
           scale_offset=float(scale_offset), subtract_mean=subtract_mean,
           has_scale=scale is not None, has_offset=offset is not None,
           save_stats=return_residuals, interpret=interpret is not None),
@@ -538,14 +449,10 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
           plgpu.Barrier(num_barriers=config.stages),
           plgpu.SMEM((2 * _STAT_CHUNK,), jnp.float32),
           plgpu.SMEM((2 * _STAT_CHUNK,), jnp.float32),
-          plgpu.SMEM((4, 16), jnp.float32),  # _shifted_row_sums' buffers
-          # The interpreter's exchange between two warpgroups.
-          plgpu.Barrier(num_arrivals=2) if interpret is not None and wgs == 2 else None,
+          plgpu.SMEM((16,), jnp.float32),  # _shifted_row_sums' two halves
       ],
       grid=(programs,),
       grid_names=("g",),
-      num_threads=wgs if wgs == 2 else None,
-      thread_name="wg" if wgs == 2 else None,
       kernel_name="tokamax_layer_norm_fwd_mosaic",
       compiler_params=pallas_mosaic.compiler_params(
           unsafe_no_auto_barriers=rps in NO_AUTO_BARRIERS_ROWS_PER_STEP),
