@@ -1,10 +1,12 @@
 """Sweeps "triton" attention configs at the benchmark shapes (GPU).
 
-Usage: python benchmarks/attention_sweep.py [OUT_DIR] [SHAPE_WORD] [fwd]
+Usage: python benchmarks/attention_sweep.py [OUT_DIR] [SHAPE_WORD] [fwd] [NAME=VALUE,...]
 For each shape and causal flag: cuDNN (jax.nn) forward and forward+backward,
 then every forward config of a short list, then every backward config with
 the best forward config (unless "fwd" is given). SHAPE_WORD keeps the shapes
-whose label contains it. Prints times and writes attention_sweep.json.
+whose label contains it; NAME=VALUE sets constants of the triton module
+(e.g. DEFER_PV=True) for the whole run. Prints times and writes
+attention_sweep.json.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def _time(f, specs, mode):
   return benchmarking.benchmark(f_std, flat, iterations=ITERATIONS).median_evaluation_time_ms
 
 
-def main(out_dir=".", shape_word="", only_fwd=""):
+def main(out_dir=".", shape_word="", only_fwd="", constants=""):
   rows = []
+  common.set_constants(tr, constants)
 
   def record(**r):
     rows.append(r)
@@ -85,7 +88,8 @@ def main(out_dir=".", shape_word="", only_fwd=""):
           continue
         record(shape=label, causal=causal, bwd=(bk, bq, w, st), fwdbwd_ms=ms,
                vs_cudnn=c_fb / ms)
-  common.save(out_dir, "attention_sweep", rows, iterations=ITERATIONS)
+  common.save(out_dir, "attention_sweep", rows, iterations=ITERATIONS,
+              constants=constants)
 
 
 if __name__ == "__main__":
