@@ -46,6 +46,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pydantic
 from jax import lax
 from jax.experimental import pallas as pl
@@ -88,6 +89,13 @@ NO_AUTO_BARRIERS_ROWS_PER_STEP = (2,)
 # TB/s, same run).
 ONE_EXCHANGE = True
 SHIFT_RATIO = 2.0
+# Which blocks a CTA takes: g, g + P, g + 2P, ... (False: the CTAs in
+# flight read neighbouring rows) or one contiguous range each (True: P
+# streams far apart). At 8192^2 the forward is not bound by the SM (the
+# 2026-12-02 16:15 experiments) but by the memory side, whose response to
+# the ring depth is sharply peaked; an experiment awaiting its H200 A/B
+# (benchmarks/layer_norm_mosaic_sweep.py CONTIGUOUS_ROWS=False,True).
+CONTIGUOUS_ROWS = False
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -293,7 +301,11 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
   g = lax.axis_index("g")
   # The first nblocks % P CTAs take one block more than the others.
   my_trips = (nblocks - g + programs - 1) // programs
-  rows_of = lambda k: pl.ds((g + k * programs) * block_rows, block_rows)
+  if CONTIGUOUS_ROWS:  # blocks first(g) ... first(g) + my_trips - 1
+    first = g * (nblocks // programs) + jnp.minimum(g, nblocks % programs)
+    rows_of = lambda k: pl.ds((first + k) * block_rows, block_rows)
+  else:  # blocks g, g + P, ...
+    rows_of = lambda k: pl.ds((g + k * programs) * block_rows, block_rows)
 
   def load_param(ref, add=0.0):
     if interpret:  # the interpreter has no layouts and no reshaped refs
@@ -464,6 +476,11 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
     return y, None, None
 
   def in_row_order(s):
+    if CONTIGUOUS_ROWS:  # CTA g's entries are rows first(g) * br, ... in order
+      trips_of = [(nblocks - g + programs - 1) // programs for g in range(programs)]
+      idx = np.concatenate([g * stat_cols + np.arange(t * br)
+                            for g, t in enumerate(trips_of)])
+      return s.reshape(-1)[idx[:rows]]
     # Entry (g, k * br + i) is row (g + k * P) * br + i.
     s = s.reshape(programs, stat_cols // br, br).transpose(1, 0, 2)
     return s.reshape(-1)[:rows]
