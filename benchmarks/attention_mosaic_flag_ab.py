@@ -2,8 +2,10 @@
 
 Usage: python benchmarks/attention_mosaic_flag_ab.py [OUT_DIR] [FLAG] [A,B] [MODES] [SHAPES]
 FLAG is a module-level constant of tokamax.ops.attention.mosaic (default
-SUM_UNDER_PV), or "triton.NAME" for one of tokamax.ops.attention.triton; A,B
-two Python literals for it (default False,True), MODES "forward" or
+SUM_UNDER_PV), or "triton.NAME" for one of tokamax.ops.attention.triton, or
+several of one module, comma-separated; A,B two Python literals for it
+(default False,True), tuples for several flags (e.g. FLAG
+"_PRODUCER_REGS,FUSE_DKDV_MAX_WIDTH" with "(40,128),(24,256)"), MODES "forward" or
 "forward,forward_and_vjp" (default), SHAPES comma-separated words matched
 against the shape labels (default all). At the benchmark shapes: cuDNN
 (jax.nn), then that module's implementation with FLAG = A, B, A, B (cupti,
@@ -38,12 +40,19 @@ def _time(f, specs, mode):
 
 def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
          modes="forward,forward_and_vjp", words=""):
-  a, b = (ast.literal_eval(v) for v in values.split(","))
+  a, b = ast.literal_eval(f"[{values}]")
   rows = []
   impl, module = "mosaic", mo
   if flag.startswith("triton."):
-    impl, module, flag = "triton", tr, flag.removeprefix("triton.")
-  default = getattr(module, flag)
+    impl, module = "triton", tr
+  names = [f.removeprefix("triton.") for f in flag.split(",")]
+  if len(names) == 1:
+    a, b = (a,), (b,)
+  default = tuple(getattr(module, n) for n in names)
+
+  def set_flags(values):
+    for n, v in zip(names, values):
+      setattr(module, n, v)
   for label, ((batch, t, n, kh, h), causals) in SHAPES.items():
     if not common.selected(label, words):
       continue
@@ -56,11 +65,12 @@ def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
       for mode in modes.split(","):
         row[f"cudnn_{mode}_ms"] = _time(cud, (q, kv, kv), mode)
         for rep, value in enumerate((a, b, a, b)):
-          setattr(module, flag, value)
+          set_flags(value)
           f = lambda q, k, v: tokamax.dot_product_attention(
               q, k, v, is_causal=causal, implementation=impl)
-          row[f"{flag}={value}_{mode}_ms_{rep // 2}"] = _time(f, (q, kv, kv), mode)
-        setattr(module, flag, default)
+          key = ",".join(f"{n}={v}" for n, v in zip(names, value))
+          row[f"{key}_{mode}_ms_{rep // 2}"] = _time(f, (q, kv, kv), mode)
+        set_flags(default)
       rows.append(row)
       print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
   common.save(out_dir, "attention_mosaic_flag_ab", rows)

@@ -92,6 +92,12 @@ _RESCALE_TAU = 8.0
 # warpgroups' counts sum to <= 512, multiples of 8): the producer only issues
 # TMA; the consumers split the rest (S, P, the O or dk/dv accumulators).
 _PRODUCER_REGS = 40
+# dk/dv kernel: issue dv += p^T do and compute ds^T while it runs (one wait
+# for dv and dk) when H + Hv (padded) is at most this. H200, 2026-12-01:
+# faster at head dim 64, slower at 128 (register pressure at 232 registers).
+# Awaiting a re-measure with _PRODUCER_REGS = 24 (240 per consumer):
+# benchmarks/attention_mosaic_flag_ab.py with both names.
+FUSE_DKDV_MAX_WIDTH = 128
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -792,7 +798,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, t_smem, kv_ready,
    ready, free) = it
   dtype = q_ref.dtype
-  fuse_dkdv = k_smem.shape[-1] + v_smem.shape[-1] <= 128
+  fuse_dkdv = k_smem.shape[-1] + v_smem.shape[-1] <= FUSE_DKDV_MAX_WIDTH
   b = lax.axis_index("batch")
   kh = lax.axis_index("head")
   wg = lax.axis_index("wg")
@@ -864,8 +870,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
 
         if want_dk and want_dv and not interpret and fuse_dkdv:
           # dv += p^T do runs on the tensor cores while ds^T is computed;
-          # then dk += ds^T q, one wait for both. Faster at head dim 64,
-          # slower at 128 (register pressure; H200, docs/benchmarks.md).
+          # then dk += ds^T q, one wait for both (FUSE_DKDV_MAX_WIDTH).
           def both(refs):
             dv_ref, dk_ref = refs
             plgpu.wgmma(dv_ref, pt.astype(dtype), do_t)
