@@ -126,6 +126,12 @@ def _vector(features: int, lanes: int) -> int:
   return next(v for v in (8, 4, 2, 1) if features % (lanes * v) == 0)
 
 
+def _trips(nblocks, programs: int, g):
+  """Blocks of CTA g (the first nblocks % P CTAs take one more); works on
+  ints and traced values."""
+  return (nblocks - g + programs - 1) // programs
+
+
 def _chunk(features: int) -> int:
   """TMA inner box width: the largest multiple of 8 <= 256 dividing F."""
   return next(c for c in range(min(256, features), 0, -8) if features % c == 0)
@@ -300,7 +306,7 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
   nblocks = pl.cdiv(rows, block_rows)
   g = lax.axis_index("g")
   # The first nblocks % P CTAs take one block more than the others.
-  my_trips = (nblocks - g + programs - 1) // programs
+  my_trips = _trips(nblocks, programs, g)
   if CONTIGUOUS_ROWS:  # blocks first(g) ... first(g) + my_trips - 1
     first = g * (nblocks // programs) + jnp.minimum(g, nblocks % programs)
     rows_of = lambda k: pl.ds((first + k) * block_rows, block_rows)
@@ -477,9 +483,8 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
 
   def in_row_order(s):
     if CONTIGUOUS_ROWS:  # CTA g's entries are rows first(g) * br, ... in order
-      trips_of = [(nblocks - g + programs - 1) // programs for g in range(programs)]
-      idx = np.concatenate([g * stat_cols + np.arange(t * br)
-                            for g, t in enumerate(trips_of)])
+      idx = np.concatenate([g * stat_cols + np.arange(_trips(nblocks, programs, g) * br)
+                            for g in range(programs)])
       return s.reshape(-1)[idx[:rows]]
     # Entry (g, k * br + i) is row (g + k * P) * br + i.
     s = s.reshape(programs, stat_cols // br, br).transpose(1, 0, 2)
