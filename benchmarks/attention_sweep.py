@@ -5,7 +5,7 @@ For each shape and causal flag: cuDNN (jax.nn) forward and forward+backward,
 then every forward config of a short list, then every backward config with
 the best forward config (unless "fwd" is given). SHAPE_WORD keeps the shapes
 whose label contains it; NAME=VALUE sets constants of the triton module
-(e.g. DEFER_PV=True) for the whole run. Prints times and writes
+(an experiment's switch) for the whole run. Prints times and writes
 attention_sweep.json.
 """
 

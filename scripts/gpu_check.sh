@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|triton_defer|final|ship|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -122,21 +122,6 @@ if [[ $what == attn ]]; then
     -m gpu tests/test_attention.py -k "${TESTS:-Triton}" -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   python3 benchmarks/attention_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/sweep.log" | tail -80
-  exit
-fi
-if [[ $what == triton_defer ]]; then
-  # The Triton forward with DEFER_PV (P V one step late, under the softmax):
-  # the Triton GPU tests on that variant, the same-process A/B at the
-  # benchmark shapes, then the forward configs with it at head dim 128.
-  TOKAMAX_TEST_CONSTANTS="tokamax.ops.attention.triton:DEFER_PV=True" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    timeout -s INT -k 20 ${TEST_S:-240} python3 -m pytest -q -n ${JOBS:-14} -p no:cacheprovider -rfE \
-    --tb=short -m gpu tests/test_attention.py -k "TritonGpu" 2>&1 \
-    | grep -v "PytestBenchmarkWarning\|warner(" | tee "$OUT/gpu_tests.log" | tail -12
-  timeout 200 python3 benchmarks/attention_mosaic_flag_ab.py "$OUT" triton.DEFER_PV False,True forward 2>&1 \
-    | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/ab.log" | tail -20
-  mkdir -p "$OUT/b"
-  timeout ${SWEEP_S:-150} python3 benchmarks/attention_sweep.py "$OUT/b" H128 fwd DEFER_PV=True 2>&1 \
-    | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/b/sweep.log" | tail -30
   exit
 fi
 if [[ $what == attn_bench ]]; then

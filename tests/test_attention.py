@@ -456,21 +456,6 @@ class TestTritonInterpretSmallBlocks(_InterpretMixin, AttentionTestBase):
     self.check(c, F32)
 
 
-class TestTritonInterpretDeferPV(TestTritonInterpretSmallBlocks):
-  """The small-block tests with the forward's P V deferred by one step
-  (`triton.DEFER_PV`, awaiting its H200 A/B): the pending block crosses the
-  masked/full loops and is added after the last one."""
-
-  @pytest.fixture(autouse=True, scope="class")
-  @classmethod
-  def _defer(cls):
-    with pytest.MonkeyPatch.context() as mp:
-      mp.setattr(triton_attn, "DEFER_PV", True)
-      jax.clear_caches()  # no kernel traced with the other setting is reused
-      yield
-    jax.clear_caches()
-
-
 def _lower_text(fn, *args):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 

@@ -49,14 +49,6 @@ from tokamax.ops.attention import xla as base
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 256
-# Forward: each step issues P V of the *previous* key block right after its
-# own q.k^T, so that product runs on the tensor cores while this step's
-# softmax runs (FlashAttention-3 Sec. 3.2, intra-warpgroup overlap; the
-# output is rescaled one step late). Triton waits for every wgmma before a
-# softmax in the plain order (docs/benchmarks.md, 2026-12-02 03:40). An
-# experiment awaiting its H200 A/B (benchmarks/attention_mosaic_flag_ab.py
-# with triton.DEFER_PV); off until measured.
-DEFER_PV = False
 # Running-max start: finite, so exp2(m_old - m_new) is never inf - inf.
 _M_INIT = -1e30
 
@@ -399,17 +391,11 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
   q = _load_rows(r["q"], b, n, t0, bq, sp.hp, sp.t, sp.h, True)
 
   def body(j, carry, masked):
-    if DEFER_PV:
-      m, l, acc, p_prev, alpha_prev, j_prev = carry
-    else:
-      m, l, acc = carry
+    m, l, acc = carry
     k0 = j * bk
     cols = k0 + jnp.arange(bk)
     k = _load_rows(r["k"], b, kh, k0, bk, sp.hp, sp.s, sp.h, masked)
-    if DEFER_PV:  # block j_prev <= j: in bounds wherever block j is
-      v = _load_rows(r["v"], b, kh, j_prev * bk, bk, sp.hvp, sp.s, sp.hv, masked)
-    else:
-      v = _load_rows(r["v"], b, kh, k0, bk, sp.hvp, sp.s, sp.hv, masked)
+    v = _load_rows(r["v"], b, kh, k0, bk, sp.hvp, sp.s, sp.hv, masked)
     vis = _visibility(sp, masked, rows, cols, q_lim, kv_lim, r["mask"], b, n,
                       t0, k0, bq, bk)
     bias = None
@@ -420,10 +406,6 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
     z, c, _ = _logits2(sp, q, k, bias)
     if c <= 0:  # a scale <= 0 without bias or cap
       z, c = z * c, 1.0
-    if DEFER_PV:
-      # acc holds sum_{i < j_prev} exp2(z_i c - m_prev) v_i; add block j_prev
-      # (p_prev is against m, alpha_prev rescales acc from the max before).
-      acc = pltr.dot(p_prev, v, precision=sp.precision) + acc * alpha_prev[:, None]
     if vis is not None:
       z = jnp.where(vis, z, -jnp.inf)
     z_max = jnp.max(z, axis=1)
@@ -431,8 +413,6 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
     p = pallas_triton.exp2_fma(z, c, m_new[:, None])
     alpha = jnp.exp2(m - m_new)
     l = l * alpha + jnp.sum(p, axis=1)
-    if DEFER_PV:
-      return m_new, l, acc, p.astype(v.dtype), alpha, j
     pv = pltr.dot(p.astype(v.dtype), v, precision=sp.precision)
     return m_new, l, acc * alpha[:, None] + pv
 
@@ -442,15 +422,7 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
       jnp.zeros((bq, sp.hvp), jnp.float32),
   )
   ranges = _key_blocks(sp, t0, bq, bk, q_lim, kv_lim)
-  if DEFER_PV:
-    # No block pending before the first: p = 0 against block lo (or 0).
-    init += (jnp.zeros((bq, bk), r["v"].dtype), jnp.ones((bq,), jnp.float32),
-             ranges[0])
-    m, l, acc, p_prev, alpha_prev, j_prev = _run_blocks(ranges, body, init)
-    v = _load_rows(r["v"], b, kh, j_prev * bk, bk, sp.hvp, sp.s, sp.hv, True)
-    acc = pltr.dot(p_prev, v, precision=sp.precision) + acc * alpha_prev[:, None]
-  else:
-    m, l, acc = _run_blocks(ranges, body, init)
+  m, l, acc = _run_blocks(ranges, body, init)
   # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
   ok = (l > 0) & (rows < q_lim)
   out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
