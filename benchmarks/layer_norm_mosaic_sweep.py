@@ -4,11 +4,12 @@ Usage: python benchmarks/layer_norm_mosaic_sweep.py [OUT_DIR] [SHAPES] [heuristi
 x bf16 [R, F], f32 scale and offset, forward only, TB/s of x read + y
 written. Per shape: "triton" and XLA, then the heuristic config and its
 neighbours (stages 2-5 x output slots 1-3 at the heuristic block_rows;
-block_rows halved and doubled; two CTAs per SM at 2-3 stages; only the
+block_rows halved and doubled; two CTAs per SM at 2-4 stages; only the
 heuristic with the word "heuristic"), each checked against XLA's f32
 result (max relative error recorded; a wrong config fails the script). With FLAG=A,B (module-level
 constants of tokamax.ops.normalization.mosaic and Python literals; several
-give their product) every config runs once per setting, in two passes (the
+give their product; SMS=A,B sets the CTA count per programs_per_sm instead
+of the SM count) every config runs once per setting, in two passes (the
 second in reverse order) so the spread between passes shows. SHAPES:
 comma-separated "RxF" (default all). Writes layer_norm_mosaic_sweep.json.
 """
@@ -27,7 +28,7 @@ from tokamax._src import benchmarking
 from tokamax.ops.normalization import mosaic as mo
 import tokamax
 
-SHAPES = ((8192, 8192), (65536, 1024), (131072, 512), (32768, 2048))
+SHAPES = ((8192, 8192), (65536, 1024), (131072, 512), (32768, 2048), (16384, 4096))
 
 
 def _configs(rows, features):
@@ -39,7 +40,7 @@ def _configs(rows, features):
   for br in (h.block_rows // 2, 2 * h.block_rows):
     if br >= mo.rows_per_step(features):
       configs.append(mo.MosaicLayerNormConfig(block_rows=br, stages=h.stages))
-  for st in (2, 3):  # two CTAs per SM
+  for st in (2, 3, 4):  # two CTAs per SM
     for ost in (1, 2):
       configs.append(mo.MosaicLayerNormConfig(block_rows=h.block_rows, stages=st,
                                               out_stages=ost, programs_per_sm=2))
@@ -82,9 +83,12 @@ def main(out_dir=".", shapes="", *options):
     runs = list(itertools.product(configs, settings))
     for p in range(passes):
       for config, setting in (runs if p == 0 else runs[::-1]):
-        previous = {n: getattr(mo, n) for n in setting}
+        previous = {n: getattr(mo, "_num_sms" if n == "SMS" else n) for n in setting}
         for n, v in setting.items():
-          setattr(mo, n, v)
+          if n == "SMS":  # CTAs per programs_per_sm instead of the SM count
+            mo._num_sms = lambda v=v: v
+          else:
+            setattr(mo, n, v)
         op = mo.MosaicLayerNorm(config=config)
         y = jax.jit(op)(x, s, o).astype(jnp.float32)
         err = float(jnp.max(jnp.abs(y - want) / (jnp.abs(want) + 1)))
@@ -95,7 +99,7 @@ def main(out_dir=".", shapes="", *options):
                **{n: repr(v) for n, v in setting.items()}, ms=ms, tbps=tbps(ms),
                max_rel_error=err)
         for n, v in previous.items():
-          setattr(mo, n, v)
+          setattr(mo, "_num_sms" if n == "SMS" else n, v)
   common.save(out_dir, "layer_norm_mosaic_sweep", rows_out, iterations=20)
 
 

@@ -32,10 +32,10 @@ Supported: NVIDIA sm_90 (or the Mosaic GPU interpreter, see
 `tokamax._src.pallas_mosaic`), bf16/f16 x, any float scale/offset (not
 f64), 32 <= F <= 8192 with F a multiple of 32 (F <= 1024), 64 (<= 4096)
 or 128.
-H200, bf16 x, f32 scale/offset, forward: 3.81-3.83 TB/s at 8192x8192,
-3.93 at 65536x1024, 3.79 at 16384x4096, 3.95 at 32768x2048, 3.90 at
-131072x512, against 3.45 / 3.79 / 3.22 / 3.45 / 3.45 for "triton" in the
-same run (docs/benchmarks.md, 2026-12-02 13:30).
+H200, bf16 x, f32 scale/offset, forward: 3.89-3.93 TB/s at 8192x8192,
+3.94 at 65536x1024, 3.80 at 16384x4096, 3.95 at 32768x2048, 3.90 at
+131072x512, against 3.45 / 3.82 / 3.23 / 3.46 / 3.45 for "triton" in the
+same run (docs/benchmarks.md, 2026-12-02 20:12).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pydantic
 from jax import lax
 from jax.experimental import pallas as pl
@@ -89,13 +88,6 @@ NO_AUTO_BARRIERS_ROWS_PER_STEP = (2,)
 # TB/s, same run).
 ONE_EXCHANGE = True
 SHIFT_RATIO = 2.0
-# Which blocks a CTA takes: g, g + P, g + 2P, ... (False: the CTAs in
-# flight read neighbouring rows) or one contiguous range each (True: P
-# streams far apart). At 8192^2 the forward is not bound by the SM (the
-# 2026-12-02 16:15 experiments) but by the memory side, whose response to
-# the ring depth is sharply peaked; an experiment awaiting its H200 A/B
-# (benchmarks/layer_norm_mosaic_sweep.py CONTIGUOUS_ROWS=False,True).
-CONTIGUOUS_ROWS = False
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -126,12 +118,6 @@ def _vector(features: int, lanes: int) -> int:
   return next(v for v in (8, 4, 2, 1) if features % (lanes * v) == 0)
 
 
-def _trips(nblocks, programs: int, g):
-  """Blocks of CTA g (the first nblocks % P CTAs take one more); works on
-  ints and traced values."""
-  return (nblocks - g + programs - 1) // programs
-
-
 def _chunk(features: int) -> int:
   """TMA inner box width: the largest multiple of 8 <= 256 dividing F."""
   return next(c for c in range(min(256, features), 0, -8) if features % c == 0)
@@ -145,14 +131,17 @@ def _smem_bytes(config: MosaicLayerNormConfig, features: int, itemsize: int) -> 
 
 
 def heuristic_config(rows: int, features: int, itemsize: int) -> MosaicLayerNormConfig:
-  """~16 KiB blocks, 4 in flight up to F = 2048 (3 above), one output slot
-  with a row per warp (two above), 1 CTA per SM: the fastest measured on the
-  H200 at F = 512, 1024, 2048 and 8192 (benchmarks/layer_norm_mosaic_sweep.py)."""
+  """~16 KiB blocks, 1 CTA per SM; 4 blocks in flight with one output slot
+  when a step normalises 4 rows (F <= 1024) or 1 row (F > 4096), 4 with two
+  slots at 2 rows up to F = 2048, 3 with two above: the fastest measured on
+  the H200 at F = 512, 1024, 2048 and 8192 (benchmarks/layer_norm_mosaic_sweep.py;
+  at 8192 (4, 1) reads 3.85-3.94 TB/s against 3.80-3.83 for (3, 2), 2026-12-02)."""
   rps = rows_per_step(features)
   block_rows = pallas_triton.prev_pow2(max(1, _TARGET_BLOCK_BYTES // (features * itemsize)))
   block_rows = max(rps, min(block_rows, pallas_triton.next_pow2(rows), 64))
-  return MosaicLayerNormConfig(block_rows=block_rows, stages=4 if features <= 2048 else 3,
-                               out_stages=1 if rps == 4 else 2)
+  stages = 3 if rps == 2 and features > 2048 else 4
+  return MosaicLayerNormConfig(block_rows=block_rows, stages=stages,
+                               out_stages=2 if rps == 2 else 1)
 
 
 def search_space(rows: int, features: int, itemsize: int) -> set[MosaicLayerNormConfig]:
@@ -306,12 +295,8 @@ def _fwd_kernel(x_gmem, *refs, rows, features, block_rows, stages, out_stages,
   nblocks = pl.cdiv(rows, block_rows)
   g = lax.axis_index("g")
   # The first nblocks % P CTAs take one block more than the others.
-  my_trips = _trips(nblocks, programs, g)
-  if CONTIGUOUS_ROWS:  # blocks first(g) ... first(g) + my_trips - 1
-    first = g * (nblocks // programs) + jnp.minimum(g, nblocks % programs)
-    rows_of = lambda k: pl.ds((first + k) * block_rows, block_rows)
-  else:  # blocks g, g + P, ...
-    rows_of = lambda k: pl.ds((g + k * programs) * block_rows, block_rows)
+  my_trips = (nblocks - g + programs - 1) // programs
+  rows_of = lambda k: pl.ds((g + k * programs) * block_rows, block_rows)
 
   def load_param(ref, add=0.0):
     if interpret:  # the interpreter has no layouts and no reshaped refs
@@ -482,10 +467,6 @@ def layer_norm_forward(x2, scale, offset, *, epsilon, scale_offset,
     return y, None, None
 
   def in_row_order(s):
-    if CONTIGUOUS_ROWS:  # CTA g's entries are rows first(g) * br, ... in order
-      idx = np.concatenate([g * stat_cols + np.arange(_trips(nblocks, programs, g) * br)
-                            for g in range(programs)])
-      return s.reshape(-1)[idx[:rows]]
     # Entry (g, k * br + i) is row (g + k * P) * br + i.
     s = s.reshape(programs, stat_cols // br, br).transpose(1, 0, 2)
     return s.reshape(-1)[:rows]
