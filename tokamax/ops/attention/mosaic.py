@@ -94,9 +94,9 @@ _RESCALE_TAU = 8.0
 _PRODUCER_REGS = 40
 # dk/dv kernel: issue dv += p^T do and compute ds^T while it runs (one wait
 # for dv and dk) when H + Hv (padded) is at most this. H200, 2026-12-01:
-# faster at head dim 64, slower at 128 (register pressure at 232 registers).
-# Awaiting a re-measure with _PRODUCER_REGS = 24 (240 per consumer):
-# benchmarks/attention_mosaic_flag_ab.py with both names.
+# faster at head dim 64, slower at 128 (register pressure at 232 registers);
+# 2026-12-02 with _PRODUCER_REGS = 24 (240 per consumer): no gain at 128
+# (within the run's spread, docs/benchmarks.md 20:12).
 FUSE_DKDV_MAX_WIDTH = 128
 
 
