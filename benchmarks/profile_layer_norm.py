@@ -3,7 +3,8 @@
 Usage: python benchmarks/profile_layer_norm.py IMPL RxF [NAME=VALUE,...]
   IMPL: mosaic | triton | xla; x bf16 [R, F] from random normals, f32
   scale and offset; NAME=VALUE sets constants of the implementation's
-  module (tokamax.ops.normalization.IMPL) first.
+  module (tokamax.ops.normalization.IMPL) first; lower-case names
+  (mosaic only) replace fields of the heuristic config, e.g. stages=4.
 The kernels are named tokamax_layer_norm_*; profile the third launch (the
 first two are warm-ups), e.g.
   ncu --clock-control none --set full -k regex:tokamax_layer_norm
@@ -12,6 +13,7 @@ first two are warm-ups), e.g.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 
@@ -25,12 +27,20 @@ CALLS = 3
 
 
 def main(impl: str, shape: str, constants: str = ""):
-  common.set_constants(importlib.import_module(f"tokamax.ops.normalization.{impl}"), constants)
+  module = importlib.import_module(f"tokamax.ops.normalization.{impl}")
+  pairs = [a for a in constants.split(",") if a]
+  fields = dict(a.split("=") for a in pairs if a[0].islower())
+  common.set_constants(module, ",".join(a for a in pairs if not a[0].islower()))
   r, f = (int(d) for d in shape.split("x"))
   keys = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(keys[0], (r, f), jnp.bfloat16)
   s, o = (jax.random.normal(k, (f,), jnp.float32) for k in keys[1:])
-  fn = jax.jit(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation=impl))
+  if fields:
+    config = dataclasses.replace(module.heuristic_config(r, f, 2),
+                                 **{k: int(v) for k, v in fields.items()})
+    fn = jax.jit(module.MosaicLayerNorm(config=config))
+  else:
+    fn = jax.jit(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation=impl))
   for _ in range(CALLS):
     jax.block_until_ready(fn(x, s, o))
   print(f"profiled {impl} {shape} {constants}: {CALLS} calls")
