@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|final|ship|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|final|ship|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -201,6 +201,18 @@ if [[ $what == ln_mosaic ]]; then
     grep -E "Duration|Registers Per|DRAM Throughput|Issue Slots Busy|Memory Throughput" "/tmp/ncu/$name.txt" | head -8
   done
   [[ -n ${PROFILES:-} ]] && tar -C /tmp/ncu -czf "$OUT/ncu_ln.tar.gz" .
+  exit
+fi
+if [[ $what == ln_alloc ]]; then
+  # The layer_norm benchmark under each of JAX's GPU allocators (the BFC
+  # pool, plain cudaMalloc, cudaMallocAsync): ncu read the 8192^2 forward's
+  # y writes as going through the L2 compression unit (docs/benchmarks.md,
+  # 2026-12-02 20:12), so does the allocation change the ceiling?
+  for a in ${ALLOCATORS:-bfc platform cuda_async}; do
+    mkdir -p "$OUT/$a"
+    XLA_PYTHON_CLIENT_ALLOCATOR=$a timeout 150 python3 benchmarks/layer_norm.py "$OUT/$a" 2>&1 \
+      | grep -E "^[0-9]" | grep -E "forward +(mosaic|triton|xla|copy)" | sed "s/^/$a  /"
+  done
   exit
 fi
 if [[ $what == ln ]]; then
