@@ -30,6 +30,8 @@ def main(impl: str, shape: str, constants: str = ""):
   module = importlib.import_module(f"tokamax.ops.normalization.{impl}")
   pairs = [a for a in constants.split(",") if a]
   fields = dict(a.split("=") for a in pairs if a[0].islower())
+  if fields and impl != "mosaic":
+    raise ValueError(f"config fields {sorted(fields)} apply to IMPL mosaic only, not {impl}")
   common.set_constants(module, ",".join(a for a in pairs if not a[0].islower()))
   r, f = (int(d) for d in shape.split("x"))
   keys = jax.random.split(jax.random.key(0), 3)
