@@ -1,7 +1,10 @@
 """layer_norm benchmark: tokamax "mosaic" and "triton" against "xla".
 
-Usage: python benchmarks/layer_norm.py [OUT_DIR]
+Usage: [SHAPES=8192x8192,...] [MODES=forward] [REPEATS=n] \
+  python benchmarks/layer_norm.py [OUT_DIR]
 Prints a markdown table and writes layer_norm.json to OUT_DIR (default: .).
+SHAPES and MODES pick a subset of the labels below; REPEATS times each row
+n times in the same process (the spread between timings, not just one).
 x is bf16 [R, F] (normalised over F) or [16, 1024, 4096] normalised over
 axis 1 (the [pre, F, post] kernel), scale and offset f32 [F]. Times are
 accelerator time (cupti on GPU, wallclock elsewhere), median of ITERATIONS
@@ -16,6 +19,8 @@ mosaic and triton rows then report the refusal).
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 
 import jax
@@ -49,15 +54,18 @@ def _time(f, args, mode):
 def main(out_dir="."):
 
   on_gpu = jax.default_backend() == "gpu"
+  shapes = _pick(SHAPES, os.environ.get("SHAPES"))
+  modes = _pick(MODES, os.environ.get("MODES"))
+  repeats = int(os.environ.get("REPEATS", "1"))
   rows = []
-  for label, (shape, axis) in SHAPES.items():
+  for (label, (shape, axis)), _ in itertools.product(shapes.items(), range(repeats)):
     if not on_gpu:
       shape = (shape[0] // 64 or 1,) + shape[1:]
       label = "x".join(map(str, shape)) + (f" axis {axis}" if axis != len(shape) - 1 else "")
     x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     p = jax.ShapeDtypeStruct((shape[axis],), jnp.float32)
     size = x.size
-    for mode in MODES:
+    for mode in modes:
       for impl in IMPLEMENTATIONS:
         fn = lambda x, s, o, impl=impl, axis=axis: tokamax.layer_norm(
             x, s, o, axis=axis, implementation=impl)
@@ -80,6 +88,18 @@ def main(out_dir="."):
   meta = common.save(out_dir, "layer_norm", rows, iterations=ITERATIONS)
   print(f"\n{meta}")
   print(markdown(rows))
+
+
+def _pick(choices, names):
+  """The entries of choices (a dict or tuple) named in the comma list names."""
+  if not names:
+    return choices
+  unknown = set(names.split(",")) - set(choices)
+  if unknown:
+    raise ValueError(f"unknown {sorted(unknown)}; choose from {list(choices)}")
+  if isinstance(choices, dict):
+    return {k: v for k, v in choices.items() if k in names.split(",")}
+  return tuple(c for c in choices if c in names.split(","))
 
 
 def _fmt(r):

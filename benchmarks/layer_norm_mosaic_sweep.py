@@ -7,7 +7,8 @@ neighbours (stages 2-5 x output slots 1-3 at the heuristic block_rows;
 block_rows halved and doubled; two CTAs per SM at 2-4 stages; only the
 heuristic with the word "heuristic"), each checked against XLA's f32
 result (max relative error recorded; a wrong config fails the script). With FLAG=A,B (module-level
-constants of tokamax.ops.normalization.mosaic and Python literals; several
+constants of tokamax.ops.normalization.mosaic and a comma-separated list of
+Python literals, e.g. NO_AUTO_BARRIERS_ROWS_PER_STEP=(2,),(1,2); several
 give their product; SMS=A,B sets the CTA count per programs_per_sm instead
 of the SM count) every config runs once per setting, in two passes (the
 second in reverse order) so the spread between passes shows. SHAPES:
@@ -59,7 +60,7 @@ def main(out_dir=".", shapes="", *options):
   flags = [o.split("=") for o in options if "=" in o]
   names = [n for n, _ in flags]
   settings = [dict(zip(names, vs)) for vs in itertools.product(
-      *([ast.literal_eval(v) for v in values.split(",")] for _, values in flags))]
+      *(ast.literal_eval(f"[{values}]") for _, values in flags))]
   passes = 2 if flags else 1
   rows_out = []
 

@@ -22,9 +22,9 @@ import tokamax
 demo = common.load_demo()
 
 
-def _tune(name, f, *args):
+def _tune(name, f, *args, iterations=5):
   start = time.perf_counter()
-  result = tokamax.autotune(f, *args, progress_bar=False)
+  result = tokamax.autotune(f, *args, progress_bar=False, iterations=iterations)
   print(f"{name}: {len(result.entries)} ops in {time.perf_counter() - start:.1f} s")
   for e in result.entries:
     print(f"  {e.op.split(':')[1]}: {e.config} {e.measurements[0].median_ms:.4f} ms"
@@ -42,9 +42,12 @@ def tune_mosaic(shapes=MOSAIC_SHAPES, only_causal=None):
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
     for causal in only_causal or causals:
-      f = jax.jit(lambda q, k, v, causal=causal: tokamax.dot_product_attention(
-          q, k, v, is_causal=causal, implementation="mosaic"))
-      _tune(f"mosaic {(b, t, n, kh, h)} causal={causal}", f, q, kv, kv)
+      # The gradient: the forward op (its key leaves out the residuals, so
+      # the entry serves forward-only calls too) and the VJP op.
+      loss = lambda q, k, v, causal=causal: jnp.sum(tokamax.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="mosaic").astype(jnp.float32))
+      f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+      _tune(f"mosaic {(b, t, n, kh, h)} causal={causal}", f, q, kv, kv, iterations=20)
 
 
 def main():

@@ -64,13 +64,18 @@ if [[ $what == gpu_tests ]]; then
   exit $status
 fi
 if [[ $what == ship_mosaic ]]; then
-  # dispatch/autotuning tests, tune "mosaic" into the shipped cache, benchmark.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 python3 -m pytest -q -n 8 -p no:cacheprovider \
+  # Tune "mosaic" (forward and VJP) at the attention benchmark shapes into
+  # the shipped cache; copy it to $OUT/cache. BENCH=1: then the dispatch and
+  # autotuning tests and the attention benchmark (a second call).
+  if [[ -z ${BENCH:-} ]]; then
+    TUNE=mosaic TOKAMAX_CACHE_DIR=$PWD/tokamax/data/autotuning timeout ${TUNE_S:-420} python3 benchmarks/tune_shipped.py \
+      2>&1 | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/tune.log" | tail -40
+    mkdir -p "$OUT/cache" && cp tokamax/data/autotuning/*/*.json "$OUT/cache/"
+    exit
+  fi
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -n 8 -p no:cacheprovider \
     tests/test_dispatch.py tests/test_autotuning.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
-  TUNE=mosaic TOKAMAX_CACHE_DIR=$PWD/tokamax/data/autotuning timeout 200 python3 benchmarks/tune_shipped.py \
-    2>&1 | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/tune.log" | tail -30
-  mkdir -p "$OUT/cache" && cp tokamax/data/autotuning/*/*.json "$OUT/cache/"
-  timeout 240 python3 benchmarks/attention.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+  timeout 300 python3 benchmarks/attention.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/bench.log" | tail -60
   exit
 fi
@@ -208,9 +213,11 @@ if [[ $what == ln_alloc ]]; then
   # pool, plain cudaMalloc, cudaMallocAsync): ncu read the 8192^2 forward's
   # y writes as going through the L2 compression unit (docs/benchmarks.md,
   # 2026-12-02 20:12), so does the allocation change the ceiling?
+  i=0
   for a in ${ALLOCATORS:-bfc platform cuda_async}; do
-    mkdir -p "$OUT/$a"
-    XLA_PYTHON_CLIENT_ALLOCATOR=$a timeout 150 python3 benchmarks/layer_norm.py "$OUT/$a" 2>&1 \
+    i=$((i + 1)); mkdir -p "$OUT/$i-$a"
+    SHAPES=${SHAPES:-8192x8192,65536x1024} MODES=forward REPEATS=${REPEATS:-4} \
+      XLA_PYTHON_CLIENT_ALLOCATOR=$a timeout 150 python3 benchmarks/layer_norm.py "$OUT/$i-$a" 2>&1 \
       | grep -E "^[0-9]" | grep -E "forward +(mosaic|triton|xla|copy)" | sed "s/^/$a  /"
   done
   exit

@@ -37,8 +37,8 @@ def loss(x, scale):
   return jnp.sum(x.astype(jnp.float32))
 
 
-def inputs(t=64):
-  x = jax.random.normal(jax.random.key(1), (2, t, 2, 32), jnp.bfloat16)
+def inputs(t=64, batch=2):
+  x = jax.random.normal(jax.random.key(1), (batch, t, 2, 32), jnp.bfloat16)
   scale = jax.random.normal(jax.random.key(0), (32,), jnp.float32)
   return x, scale
 
@@ -211,18 +211,42 @@ def test_other_device_kind_refused_unless_opted_in():
 def test_user_cache_and_nearest_shape(resolved, tmp_path, caplog):
   # Shapes no other test traces: a jit cache hit would skip the lookups.
   x, scale = inputs(88)
-  special = Config(q_chunk_size=16, kv_chunk_size=8)
+  special = Config(q_chunk_size=22, kv_chunk_size=11)  # in the T = 88 search space
   autotuning.write_user_cache(_pinned_result(x, scale, special))
   resolved.clear()
   jax.jit(loss)(x, scale)  # exact key from the user cache, no context
   assert chunked_configs(resolved) == [special, special]
   resolved.clear()
   caplog.set_level(logging.INFO, logger="tokamax")
-  x2, _ = inputs(72)  # not cached: the nearest cached shape's config
-  jax.jit(loss)(x2, scale)
-  jax.jit(loss)(inputs(66)[0], scale)
+  # Not cached: the nearest cached shape's config (in these calls' search
+  # spaces too: same T).
+  jax.jit(loss)(inputs(88, batch=3)[0], scale)
+  jax.jit(loss)(inputs(88, batch=5)[0], scale)
   assert chunked_configs(resolved) == [special] * 4
   assert sum("nearest" in r.message for r in caplog.records) == 1
+  # T = 72: the cached config is outside this call's search space (chunks of
+  # 18, 36, 72), so the heuristic config, not the nearest shape's.
+  resolved.clear()
+  jax.jit(loss)(inputs(72)[0], scale)
+  assert chunked_configs(resolved) == [Config(q_chunk_size=72, kv_chunk_size=72)] * 2
+
+
+def test_nearest_shape_config_outside_the_search_space_is_not_taken(monkeypatch, resolved):
+  """At head dim 128 the shipped head-dim-64 "mosaic" attention config (three
+  consumer warpgroups, which spill there) is not borrowed by a call whose
+  scale matches the head-dim-64 entries; a call with no cached neighbour
+  inside its search space gets the heuristic config."""
+  from tokamax.ops.attention import mosaic as attention_mosaic
+
+  monkeypatch.setattr(autotuning, "_SHIPPED_DIR", ROOT / "tokamax" / "data" / "autotuning")
+  q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+  resolved.clear()
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    jax.eval_shape(lambda q: tokamax.dot_product_attention(
+        q, q, q, scale=0.125, implementation="mosaic"), q)
+  (config,) = [c for cls, c in resolved if cls is attention_mosaic.MosaicDotProductAttention]
+  assert config.consumers == 2
+  assert config == attention_mosaic.heuristic_config(1024, 1024, 128, 128, 2)
 
 
 def test_miss_logs_once_per_op(caplog):
@@ -337,6 +361,55 @@ def test_shipped_h200_configs_load_and_apply_when_cross_compiling(monkeypatch, r
   assert vjp_config == ln_triton.TritonLayerNormConfig(block_rows=4, num_warps=4)
   vjp_op = ln_triton.TritonLayerNormVjp()
   assert vjp_config != vjp_op._get_heuristics_config(ln_triton.TritonLayerNorm().bind(x, p, p))
+
+
+# The attention benchmark shapes of docs/benchmarks.md: (B, T, N, K, H), causal.
+ATTENTION_BENCHMARK_CALLS = [
+    ((32, 2048, 16, 16, 64), False), ((32, 2048, 16, 16, 64), True),
+    ((8, 4096, 16, 16, 128), False), ((8, 4096, 16, 16, 128), True),
+    ((4, 4096, 32, 8, 128), True)]
+
+
+@pytest.mark.parametrize("shape, causal", ATTENTION_BENCHMARK_CALLS)
+def test_shipped_h200_mosaic_attention_configs_cover_the_benchmark_shapes(shape, causal):
+  """Tuned "mosaic" forward and VJP configs ship for every attention
+  benchmark call, under the exact keys the calls look up."""
+  b, t, n, kh, h = shape
+  q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(tokamax.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="mosaic").astype(jnp.float32))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    bound = autotuning.find_ops(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  assert sorted(type(ba.op).__name__ for ba in bound) == [
+      "MosaicDotProductAttention", "MosaicDotProductAttentionVjp"]
+  shipped = ROOT / "tokamax" / "data" / "autotuning" / "NVIDIA_H200"
+  for ba in bound:
+    result = tokamax.AutotuningResult.load(shipped / f"{ba.op.op_name}.json")
+    config = result.config_for(ba)
+    assert config is not None, f"{type(ba.op).__name__} {shape} causal={causal}"
+    assert config in autotuning._candidates(ba)
+
+
+def test_nearest_shape_config_that_exceeds_shared_memory_is_not_taken(resolved):
+  """A "mosaic" layer_norm config tuned at 1024 features (8-row blocks) would
+  exceed shared memory at 8192; the 8192-feature call takes its heuristic
+  config instead of failing."""
+  from tokamax.ops.normalization import mosaic as ln_mosaic
+
+  small = jax.ShapeDtypeStruct((65536, 1024), jnp.bfloat16)
+  big = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
+  f = lambda x: tokamax.layer_norm(x, implementation="mosaic")
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    (ba,) = autotuning.find_ops(f, small)
+    tuned = ln_mosaic.MosaicLayerNormConfig(block_rows=8, stages=5, out_stages=2)
+    assert tuned in autotuning._candidates(ba)
+    autotuning.write_user_cache(tokamax.AutotuningResult(
+        "NVIDIA H200", (autotuning.Entry(autotuning.class_path(type(ba.op)), ba.key, tuned),)))
+    resolved.clear()
+    jax.eval_shape(f, big)
+  (config,) = [c for cls, c in resolved if cls is ln_mosaic.MosaicLayerNorm]
+  assert config == ln_mosaic.heuristic_config(4096, 8192, 2)
 
 
 def test_vmap_levels_are_part_of_the_key_and_tuned(resolved):

@@ -4,7 +4,8 @@ Config lookup for a call (see op.resolve_config): a pinned config, then the
 active `AutotuningResult` contexts (innermost first), the user cache
 (`$TOKAMAX_CACHE_DIR/<device kind>/<op>.json`), the cache shipped in
 `tokamax/data/autotuning/<device kind>/<op>.json`, the nearest cached shape of
-the same op, dtypes and static arguments, and finally the miss policy:
+the same op, dtypes and static arguments (if its config is in this call's
+search space, or the op has none), and finally the miss policy:
 "heuristics" (default; one log line per op per process), "autotune" (tune this
 call now and remember it) or "error". Set the policy with
 `tokamax.config.autotuning_miss_policy(...)` or `TOKAMAX_AUTOTUNING_MISS_POLICY`.
@@ -344,13 +345,14 @@ def _split_key(key: str) -> tuple[str, list[int]]:
   return json.dumps(signature, sort_keys=True), dims
 
 
-def _nearest(results, op: str, key: str) -> Any:
-  """Config of the cached call of `op` with the closest shapes (log2 L1)."""
+def _nearest(results, op: str, key: str, allowed=None) -> Any:
+  """Config of the cached call of `op` with the closest shapes (log2 L1),
+  among the configs in `allowed` (None: any)."""
   signature, dims = _split_key(key)
   best, best_distance = None, math.inf
   for result in results:
     for e in result.entries:
-      if e.op != op:
+      if e.op != op or (allowed is not None and e.config not in allowed):
         continue
       other_signature, other_dims = _split_key(e.key)
       if other_signature != signature:
@@ -405,7 +407,14 @@ def lookup(ba: op_lib.BoundArguments) -> Any:
       return config
   if (op, key, device_kind) in _TUNED_NOW:
     return _TUNED_NOW[(op, key, device_kind)]
-  config = _nearest(cached, op, key)
+  # A shape's config can be a poor one elsewhere (at head dim 128 the head-dim
+  # 64 attention config with three consumer warpgroups spills: 5x slower), so
+  # the nearest shape's config is taken only where it is in this call's
+  # search space; ops without a search space take it as it is.
+  config = None
+  if any(e.op == op for result in cached for e in result.entries):
+    candidates = _candidates(ba)
+    config = _nearest(cached, op, key, set(candidates) if len(candidates) > 1 else None)
   if config is not None:
     _log_once(op, "nearest", f"tokamax: {op}: no tuned config for this shape on"
               f" {device_kind}; using the nearest cached shape's.")
