@@ -650,6 +650,18 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2, consumers=3)
     self.check(dataclasses.replace(FEATURES[feature], t=300, s=260), BF16, feature)
 
+  @pytest.mark.parametrize("feature, consumers", [
+      ("causal", 2), ("causal", 3), ("kv_lens", 2), ("t_ne_s_causal", 3)])
+  @pytest.mark.parametrize("half", [True, False])
+  def test_half_last_block(self, monkeypatch, feature, consumers, half):
+    """128-key steps: a consumer's last block seen only in its first half
+    (every other 64-row consumer on the causal diagonal, key lengths just
+    past a block edge) runs as a 64-key step (HALF_LAST_BLOCK), or in full."""
+    monkeypatch.setattr(mosaic_attn, "HALF_LAST_BLOCK", half)
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers)
+    t, s = (320, 330) if feature != "t_ne_s_causal" else (200, 330)
+    self.check(dataclasses.replace(FEATURES[feature], t=t, s=s), BF16, feature)
+
   @hypothesis.settings(max_examples=6, deadline=None)
   @hypothesis.given(
       t=st.integers(1, 300), s=st.integers(1, 300), kh=st.integers(1, 2),

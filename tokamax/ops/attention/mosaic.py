@@ -18,7 +18,8 @@ of one (batch, head):
     what hides it; 152 registers per consumer, so only for small O tiles).
 Every feature is applied in registers: causal/local windows and query/key
 lengths by positions (key blocks no row sees are never loaded; blocks every
-row sees in full run without the positional mask), bias and bool mask by
+row sees in full run without the positional mask; a consumer's last block
+seen only in its first half runs as a half-width step), bias and bool mask by
 tiles read from global memory one step ahead, soft cap by tanh, GQA by
 reading kv head n // G (k/v never repeated).
 Saves lse = m + log(l) (f32 [B, N, T]) as the residual.
@@ -98,6 +99,15 @@ _PRODUCER_REGS = 40
 # 2026-12-02 with _PRODUCER_REGS = 24 (240 per consumer): no gain at 128
 # (within the run's spread, docs/benchmarks.md 20:12).
 FUSE_DKDV_MAX_WIDTH = 128
+# Forward without bias/mask tiles: a consumer's last key block whose visible
+# keys all lie in its first half (the causal diagonal of every other 64-row
+# consumer at 128-key blocks, a key length just past a block edge) runs as a
+# half-width step: Q K^T and P V over block_kv / 2 keys. Causal seed shape:
+# 3 % fewer block products; H200 forward 0.709 -> 0.699 ms (seed causal),
+# 0.904 -> 0.899 (H128 causal), 0.900 -> 0.895 (GQA), non-causal unchanged
+# (docs/benchmarks.md, 2026-12-02 22:20). Needs block_kv >= 128 (a wgmma
+# contraction is a multiple of 64).
+HALF_LAST_BLOCK = True
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -206,6 +216,18 @@ def _clamp_ranges(wg_ranges, lo, hi):
   c_w = jnp.minimum(jnp.maximum(c_w, a_w), hi_w)
   return ((lo, lo_w, "skip"), (lo_w, a_w, "masked"), (a_w, c_w, "full"),
           (c_w, hi_w, "masked"), (hi_w, hi, "skip"))
+
+
+def _split_last_half(sp, segments, r0, bq: int, bk: int, q_lim, kv_lim):
+  """`_clamp_ranges` segments with the WG's last masked block as a "half"
+  segment when no row of [r0, r0 + bq) sees a key in its second half (keys
+  past min(kv_lim, last row + right)); otherwise the half segment is empty."""
+  *head, (c_w, hi_w, masked), tail = segments
+  end = jnp.minimum(r0 + bq, q_lim)  # rows >= q_lim see nothing
+  keys_end = kv_lim if sp.right is None else jnp.minimum(kv_lim, end + sp.right)
+  half = (c_w < hi_w) & (keys_end <= (hi_w - 1) * bk + bk // 2)
+  split = jnp.where(half, hi_w - 1, hi_w)
+  return (*head, (c_w, split, masked), (split, hi_w, "half"), tail)
 
 
 def _ts_operand(x, t: int, s: int, rows: int, cols: int, transpose=False):
@@ -409,6 +431,9 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
+    # (P V's contraction must stay a multiple of 64: bk >= 128.)
+    if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
+      segments = _split_last_half(sp, segments, r0, bq, bk, q_lim, kv_lim)
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(
         q_ref.at[b, pl.ds(r0, bq), n], q_tile, q_ready.at[wg])
@@ -422,7 +447,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     raw = triton.raw_scale(sp)
 
     def logits(qk, j, masked, bias, mask):
-      """Base-2 logits (or raw q.k when `raw`), -inf where not visible."""
+      """Base-2 logits (or raw q.k when `raw`), -inf where not visible; qk
+      [bq, bk] or [bq, bk / 2] (a half step)."""
       if raw is None:
         z = qk * sp.scale
         if bias is not None:
@@ -432,7 +458,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
         z = z * LOG2E
       else:
         z = qk
-      band = _row_band(sp, r0, j * bk, (bq, bk), q_lim, kv_lim) if masked else None
+      band = _row_band(sp, r0, j * bk, qk.shape, q_lim, kv_lim) if masked else None
       vis = _visible(band, mask)
       if vis is not None:
         z = jnp.where(vis, z, -jnp.inf)
@@ -460,9 +486,14 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
           plgpu.barrier_arrive(v_free.at[slot])
         return m, l, acc, tiles
 
+      # A half step: the first bk / 2 keys of the block (the rest unseen).
+      width = bk // 2 if mode == "half" else bk
+      k_tile = k_smem.at[slot] if width == bk else k_smem.at[slot, pl.ds(0, width)]
+      v_tile = v_smem.at[slot] if width == bk else v_smem.at[slot, pl.ds(0, width)]
+
       def qk_product(acc_ref):
         with jax.named_scope("qk_issue"):
-          plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
+          plgpu.wgmma(acc_ref, q_tile, k_tile.T)
           # The next step's bias/mask tiles load meanwhile.
           nxt = load_tiles(n, j, 1)
         with jax.named_scope("rendezvous_qk"):
@@ -471,11 +502,11 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
           s = acc_ref[...]
         return s, nxt
 
-      qk, nxt = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+      qk, nxt = pl.run_scoped(qk_product, plgpu.ACC((bq, width), jnp.float32))
       bias, mask = tiles
       with jax.named_scope("softmax"):
         plgpu.barrier_arrive(k_free.at[slot])
-        z = logits(qk, j, mode == "masked", bias, mask)
+        z = logits(qk, j, mode != "full", bias, mask)
         if LAZY_RESCALE and hvp >= 128:
           p, m_new, l, acc = _lazy_softmax(z, m, l, acc, raw, interpret)
         else:
@@ -505,12 +536,12 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
           with jax.named_scope("softmax"):
             l = l + p.sum(axis=1)
       if interpret:
-        p_tile = p_smem.at[wg]
+        p_tile = p_smem.at[wg] if width == bk else p_smem.at[wg, :, pl.ds(0, width)]
         p_tile[...] = p16
         plgpu.commit_smem()
 
         def pv_product(acc_ref):
-          plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p_tile, v_tile)
           wait_next_k(j)
           return acc_ref[...]
 
@@ -518,7 +549,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       else:
         def pv_product(refs):
           acc_ref, l_ref = refs
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          plgpu.wgmma(acc_ref, p16, v_tile)
           if sum_under_pv:  # issued after the async wgmma, before its wait
             l_ref[...] = l_ref[...] + p.sum(axis=1)
           wait_next_k(j)
