@@ -94,12 +94,12 @@ def _pick(choices, names):
   """The entries of choices (a dict or tuple) named in the comma list names."""
   if not names:
     return choices
-  unknown = set(names.split(",")) - set(choices)
-  if unknown:
+  wanted = set(names.split(","))
+  if unknown := wanted - set(choices):
     raise ValueError(f"unknown {sorted(unknown)}; choose from {list(choices)}")
   if isinstance(choices, dict):
-    return {k: v for k, v in choices.items() if k in names.split(",")}
-  return tuple(c for c in choices if c in names.split(","))
+    return {k: v for k, v in choices.items() if k in wanted}
+  return tuple(c for c in choices if c in wanted)
 
 
 def _fmt(r):
