@@ -32,8 +32,9 @@ atomic dq), two kernels of the same three-WG shape from the lse residual:
     see the keys. Key-major: s^T = k q^T, p^T = exp2(s^T - lse),
     dv += p^T do, dp^T = v do^T, ds^T = p^T (dp^T - D), dk += ds^T q.
     Head dims 256 run it twice (dk, then dv) to fit the registers.
-  * dq: the forward's ring over key blocks; dq += ds k per step, and
-    dbias = ds written per block when the bias is differentiated.
+  * dq: the forward's ring over key blocks; dq += ds k per step (a last
+    block seen only in its first half as a half step, like the forward),
+    and dbias = ds written per block when the bias is differentiated.
 
 Shapes: head dims are padded to multiples of 64 (wgmma/TMA tiles; a copy,
 only when H or Hv is not already one). Sequences shorter than a block are
@@ -99,10 +100,11 @@ _PRODUCER_REGS = 40
 # 2026-12-02 with _PRODUCER_REGS = 24 (240 per consumer): no gain at 128
 # (within the run's spread, docs/benchmarks.md 20:12).
 FUSE_DKDV_MAX_WIDTH = 128
-# Forward without bias/mask tiles: a consumer's last key block whose visible
-# keys all lie in its first half (the causal diagonal of every other 64-row
-# consumer at 128-key blocks, a key length just past a block edge) runs as a
-# half-width step: Q K^T and P V over block_kv / 2 keys. Causal seed shape:
+# Forward and dq kernel without bias/mask tiles: a consumer's last key block
+# whose visible keys all lie in its first half (the causal diagonal of every
+# other 64-row consumer at 128-key blocks, a key length just past a block
+# edge) runs as a half-width step over block_kv / 2 keys (forward: Q K^T and
+# P V; dq: Q K^T, dO V^T and dS K, at 128-key steps, i.e. head dim 64). Causal seed shape:
 # 3 % fewer block products; H200 forward 0.709 -> 0.699 ms (seed causal),
 # 0.904 -> 0.899 (H128 causal), 0.900 -> 0.895 (GQA), non-causal unchanged
 # (docs/benchmarks.md, 2026-12-02 22:20). Needs block_kv >= 128 (a wgmma
@@ -998,8 +1000,11 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
+    # As in the forward: a last block seen only in its first half is a
+    # half step (ds k's contraction stays a multiple of 64: bk >= 128).
+    if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
+      segments = _split_last_half(sp, segments, r0, bq, bk, q_lim, kv_lim)
     q_t, do_t = q_smem.at[wg], do_smem.at[wg]
-    t_tile = t_smem.at[wg] if interpret else None
     rows = (b, pl.ds(r0, bq), n)
     stats = (b, n, pl.ds(r0, bq))
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_t, q_ready.at[wg])
@@ -1008,10 +1013,10 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
     plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], q_ready.at[wg])
     plgpu.barrier_wait(q_ready.at[wg])
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    lse2 = lax.broadcast_in_dim(
-        plgpu.load(lse_smem.at[wg], layout=row_layout), (bq, bk), [0])
-    delta = lax.broadcast_in_dim(
-        plgpu.load(delta_smem.at[wg], layout=row_layout), (bq, bk), [0])
+    lse_rows = plgpu.load(lse_smem.at[wg], layout=row_layout)
+    delta_rows = plgpu.load(delta_smem.at[wg], layout=row_layout)
+    lse2 = lax.broadcast_in_dim(lse_rows, (bq, bk), [0])
+    delta = lax.broadcast_in_dim(delta_rows, (bq, bk), [0])
 
     def dbias_tile(j):  # d bias = ds (the logits' gradient), 0 where unseen
       return dbias_ref.at[b, n, pl.ds(r0, bq), pl.ds(j * bk, bk)]
@@ -1030,13 +1035,22 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
       plgpu.barrier_wait(ready.at[slot])
       if mode != "skip":
         k_t, v_t = k_smem.at[slot], v_smem.at[slot]
+        t_tile = t_smem.at[wg] if interpret else None
+        lse_b, delta_b = lse2, delta
+        if mode == "half":  # the first bk / 2 keys (no bias, mask or dbias)
+          w = bk // 2
+          k_t, v_t = k_smem.at[slot, pl.ds(0, w)], v_smem.at[slot, pl.ds(0, w)]
+          t_tile = t_smem.at[wg, :, pl.ds(0, w)] if interpret else None
+          lse_b = lax.broadcast_in_dim(lse_rows, (bq, w), [0])
+          delta_b = lax.broadcast_in_dim(delta_rows, (bq, w), [0])
+        shape = lse_b.shape
         bias, mask = tiles
-        qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], (bq, bk))
+        qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], shape)
         band = None
-        if mode == "masked":
-          band = _row_band(sp, r0, j * bk, (bq, bk), q_lim, kv_lim)
-        p, tanh = _bwd_probabilities(sp, qk, lse2, band, bias, mask)
-        ds = p * (dp - delta)
+        if mode != "full":
+          band = _row_band(sp, r0, j * bk, shape, q_lim, kv_lim)
+        p, tanh = _bwd_probabilities(sp, qk, lse_b, band, bias, mask)
+        ds = p * (dp - delta_b)
         if tanh is not None:
           ds = ds * (1.0 - tanh * tanh)
         if dbias_ref is not None:
