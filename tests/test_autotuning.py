@@ -478,6 +478,10 @@ def test_autotune_triton_attention_in_interpret_mode(monkeypatch):
     jax.config.update("tokamax_triton_interpret", False)
 
 
+# On the H200 the interpreter took over 250 s (2026-12-03); there the seed
+# flow test and benchmarks/tune_shipped.py tune the real kernels.
+@pytest.mark.skipif(jax.default_backend() == "gpu",
+                    reason="Mosaic GPU interpreter test, for CPU machines")
 def test_autotune_mosaic_attention_in_interpreter(monkeypatch):
   """The Mosaic forward and VJP (GPU interpreter) are tuned over their search
   spaces and the chosen configs are applied from the result."""

@@ -1,0 +1,124 @@
+"""Where the spread of forward+backward attention times comes from (GPU).
+
+Usage: python benchmarks/attention_variance.py [OUT_DIR] [ROUNDS] [SHAPES]
+For each shape (SHAPES: comma-separated words of the labels; default the
+non-causal seed and H128 shapes), "mosaic" and cuDNN (jax.nn)
+forward+backward are compiled once each, then timed in ROUNDS alternating
+rounds (default 6), each on freshly allocated random inputs (a new seed),
+20 calls per round, per kernel by CUPTI. nvidia-smi samples the SM clock,
+power and throttle reasons every 50 ms meanwhile. Writes each round's
+per-kernel medians and the clock samples of that round to
+attention_variance.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import profiler
+
+import common
+from tokamax._src import benchmarking
+import tokamax
+
+SHAPES = {  # label: (B, T, N, K, H, causal)
+    "seed B32 T2048 N16 H64": (32, 2048, 16, 16, 64, False),
+    "B8 T4096 N16 H128": (8, 4096, 16, 16, 128, False),
+    "seed causal B32 T2048 N16 H64": (32, 2048, 16, 16, 64, True),
+}
+CALLS = 20
+_SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+
+def _round(compiled, args):
+  """(total ms median, {kernel: ms median}) of CALLS calls."""
+  _, timings = profiler.measure(compiled, aggregate=False, iterations=CALLS)(*args)
+  per_kernel = {}
+  for call in timings:
+    for i, (name, ms) in enumerate(call):
+      per_kernel.setdefault(f"{i}:{name[:48]}", []).append(ms)
+  totals = [sum(ms for _, ms in call) for call in timings]
+  return statistics.median(totals), {k: statistics.median(v) for k, v in per_kernel.items()}
+
+
+def _clocks(samples, start, end):
+  """SM clock (MHz) min/median/max, mean power (W) and throttle reasons seen
+  between two datetimes."""
+  rows = [r for r in samples if start <= r[0] <= end]
+  if not rows:
+    return {}
+  mhz = sorted(r[1] for r in rows)
+  return dict(sm_mhz_min=mhz[0], sm_mhz_median=mhz[len(mhz) // 2], sm_mhz_max=mhz[-1],
+              power_w=sum(r[2] for r in rows) / len(rows),
+              throttle=sorted({r[3] for r in rows}))
+
+
+def _parse_smi(text):
+  samples = []
+  for line in text.splitlines():
+    parts = [p.strip() for p in line.split(",")]
+    try:
+      ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+      samples.append((ts, float(parts[1].split()[0]), float(parts[2].split()[0]), parts[3]))
+    except (ValueError, IndexError):
+      continue
+  return samples
+
+
+def main(out_dir=".", rounds="6", words="seed B32,H128"):
+  rounds = int(rounds)
+  log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+  smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_SMI_FIELDS}",
+                          "--format=csv,noheader", "-lms", "50"], stdout=log)
+  rows = []
+  try:
+    for label, (b, t, n, kh, h, causal) in SHAPES.items():
+      if not common.selected(label, words):
+        continue
+      q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+      kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
+      fns = {
+          "mosaic": lambda q, k, v: tokamax.dot_product_attention(
+              q, k, v, is_causal=causal, implementation="mosaic"),
+          "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+              q, k, v, is_causal=causal, implementation="cudnn"),
+      }
+      compiled = {}
+      for impl, fn in fns.items():
+        f_std, args = benchmarking.standardize_function(fn, q, kv, kv, mode="forward_and_vjp")
+        compiled[impl] = (f_std, jax.jit(f_std).lower(*args).compile())
+        del args
+      for r in range(rounds):
+        for impl, (f_std, comp) in compiled.items():
+          _, args = benchmarking.standardize_function(
+              fns[impl], q, kv, kv, mode="forward_and_vjp", seed=r + 1)
+          jax.block_until_ready(comp(*args))  # warm-up
+          start = datetime.datetime.now()
+          total, kernels = _round(comp, args)
+          rows.append(dict(shape=label, causal=causal, impl=impl, round=r,
+                           total_ms=total, kernels_ms=kernels, start=start.isoformat(),
+                           end=datetime.datetime.now().isoformat()))
+          print({k: v for k, v in rows[-1].items() if k != "kernels_ms"},
+                {k: round(v, 4) for k, v in kernels.items() if v > 0.05})
+          del args
+  finally:
+    smi.terminate()
+    smi.wait()
+  log.seek(0)
+  samples = _parse_smi(log.read())
+  for row in rows:
+    row.update(_clocks(samples, datetime.datetime.fromisoformat(row["start"]),
+                       datetime.datetime.fromisoformat(row["end"])))
+    print(row["shape"], row["impl"], row["round"], round(row["total_ms"], 4),
+          {k: row.get(k) for k in ("sm_mhz_min", "sm_mhz_median", "power_w", "throttle")})
+  common.save(out_dir, "attention_variance", rows, calls=CALLS, rounds=rounds)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
