@@ -105,8 +105,9 @@ FUSE_DKDV_MAX_WIDTH = 128
 # other 64-row consumer at 128-key blocks, a key length just past a block
 # edge) runs as a half-width step over block_kv / 2 keys (forward: Q K^T and
 # P V; dq: Q K^T, dO V^T and dS K, at 128-key steps, i.e. head dim 64).
-# Causal seed shape: 3 % fewer block products; H200 forward 0.709 -> 0.699 ms (seed causal),
-# 0.904 -> 0.899 (H128 causal), 0.900 -> 0.895 (GQA), non-causal unchanged
+# Causal seed shape: 3 % fewer block products; H200 forward 0.709 -> 0.699
+# ms (seed causal), 0.904 -> 0.899 (H128 causal), 0.900 -> 0.895 (GQA),
+# non-causal unchanged
 # (docs/benchmarks.md, 2026-12-02 22:20); with the dq half step too, seed
 # causal forward+backward 2.817 -> 2.782 ms (2026-12-03). Needs block_kv >=
 # 128 (a wgmma contraction is a multiple of 64).
