@@ -5,7 +5,7 @@ Usage: TOKAMAX_CACHE_DIR=tokamax/data/autotuning python benchmarks/tune_shipped.
 layer_norm x 8192x8192 and 65536x1024 bf16 with f32 scale and offset; the
 seed attention shape, causal and not, with "xla_chunked"; the "mosaic"
 forward at the attention benchmark shapes (TUNE=mosaic: only those;
-TUNE=mosaic_seed: only the seed shape, not causal).
+TUNE=mosaic_seed: only the seed shape, causal and not).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ MOSAIC_SHAPES = [((32, 2048, 16, 16, 64), (False, True)),
                  ((4, 4096, 32, 8, 128), (True,))]
 
 
-def tune_mosaic(shapes=MOSAIC_SHAPES, only_causal=None):
+def tune_mosaic(shapes=MOSAIC_SHAPES):
   for (b, t, n, kh, h), causals in shapes:
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
-    for causal in only_causal or causals:
+    for causal in causals:
       # The gradient: the forward op (its key leaves out the residuals, so
       # the entry serves forward-only calls too) and the VJP op.
       loss = lambda q, k, v, causal=causal: jnp.sum(tokamax.dot_product_attention(
@@ -55,8 +55,8 @@ def main():
   if os.environ.get("TUNE") == "mosaic":
     tune_mosaic()
     return
-  if os.environ.get("TUNE") == "mosaic_seed":  # the seed shape, not causal
-    tune_mosaic(MOSAIC_SHAPES[:1], (False,))
+  if os.environ.get("TUNE") == "mosaic_seed":  # the seed shape
+    tune_mosaic(MOSAIC_SHAPES[:1])
     return
   on_gpu = jax.default_backend() == "gpu"
   x, scale = common.seed_inputs(demo)

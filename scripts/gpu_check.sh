@@ -65,10 +65,11 @@ if [[ $what == gpu_tests ]]; then
 fi
 if [[ $what == ship_mosaic ]]; then
   # Tune "mosaic" (forward and VJP) at the attention benchmark shapes into
-  # the shipped cache; copy it to $OUT/cache. BENCH=1: then the dispatch and
+  # the shipped cache (TUNE=mosaic_seed: the seed shape only); copy it to
+  # $OUT/cache. BENCH=1: then the dispatch and
   # autotuning tests and the attention benchmark (a second call).
   if [[ -z ${BENCH:-} ]]; then
-    TUNE=mosaic TOKAMAX_CACHE_DIR=$PWD/tokamax/data/autotuning timeout ${TUNE_S:-420} python3 benchmarks/tune_shipped.py \
+    TUNE=${TUNE:-mosaic} TOKAMAX_CACHE_DIR=$PWD/tokamax/data/autotuning timeout ${TUNE_S:-420} python3 benchmarks/tune_shipped.py \
       2>&1 | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/tune.log" | tail -40
     mkdir -p "$OUT/cache" && cp tokamax/data/autotuning/*/*.json "$OUT/cache/"
     exit

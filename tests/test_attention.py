@@ -658,9 +658,25 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     (every other 64-row consumer on the causal diagonal, key lengths just
     past a block edge) runs as a 64-key step (HALF_LAST_BLOCK), or in full."""
     monkeypatch.setattr(mosaic_attn, "HALF_LAST_BLOCK", half)
-    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers)
+    self.op = mosaic_attn.MosaicDotProductAttention(
+        config=mosaic_attn.MosaicAttentionConfig(
+            block_q=64, block_kv=128, num_stages=2, consumers=consumers),
+        vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=mosaic_attn.MosaicAttentionVjpConfig(
+            dq_block_kv=128, dq_consumers=2)))
     t, s = (320, 330) if feature != "t_ne_s_causal" else (200, 330)
     self.check(dataclasses.replace(FEATURES[feature], t=t, s=s), BF16, feature)
+
+  @pytest.mark.parametrize("feature, dq_bk", [
+      ("causal", 64), ("causal", 128), ("window_left_right", 64),
+      ("t_ne_s_causal", 128), ("combined", 64), ("kv_lens", 64)])
+  def test_dq_three_consumers(self, feature, dq_bk):
+    """The dq kernel with three consumer WGs (192-row CTAs, a ragged last
+    CTA): skip steps, half steps (128-key steps), dbias, rows past the ends."""
+    self.op = mosaic_attn.MosaicDotProductAttention(
+        config=mosaic_attn.MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2),
+        vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=mosaic_attn.MosaicAttentionVjpConfig(
+            dq_consumers=3, dq_block_kv=dq_bk)))
+    self.check(dataclasses.replace(FEATURES[feature], t=300, s=260), BF16, feature)
 
   @hypothesis.settings(max_examples=6, deadline=None)
   @hypothesis.given(
@@ -894,6 +910,16 @@ class TestMosaicGpu(AttentionTestBase):
     self.check(Case(batch=(1,), t=1000, s=1100, n=4, kh=2, h=128, q_lens=True,
                     kv_lens=True, kwargs=(("is_causal", True),
                                           ("local_window_size", (300, None)))), BF16)
+
+  @pytest.mark.parametrize("config", sorted(
+      (c for c in mosaic_attn.vjp_search_space(1024, 1024, 64, 64, 2)
+       if c.dq_consumers == 3), key=str))
+  def test_vjp_three_dq_consumers_configs(self, config):
+    """Head dim 64 candidates with three dq consumers (none fit at 128)."""
+    self.op = mosaic_attn.MosaicDotProductAttention(
+        vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=config))
+    self.check(Case(batch=(2,), t=1000, s=1100, n=4, kh=2, h=64, q_lens=True,
+                    kv_lens=True, kwargs=(("is_causal", True),)), BF16)
 
   @pytest.mark.parametrize("h", [64, 128])
   def test_real_size_bias_mask(self, h):

@@ -75,7 +75,7 @@ from tokamax.ops.attention import xla as base
 LOG2E = triton.LOG2E
 LN2 = triton.LN2
 MAX_HEAD_DIM = 256
-_CONSUMERS = 2  # consumer warpgroups per CTA (backward; forward: config)
+_CONSUMERS = 2  # consumer warpgroups per CTA (dk/dv; forward and dq: config)
 _M_INIT = -1e30  # finite running-max start: exp2(m_old - m_new) never NaN
 # Forward, value head dims >= 128: add the step's row sums of P to l while
 # the P V wgmma runs (off the softmax's critical path) instead of before it.
@@ -715,7 +715,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
 class MosaicAttentionVjpConfig:
   """dk/dv kernel: key rows per consumer WG (CTA: 2x), query rows per step,
   ring depth; dq kernel: query rows per consumer WG, key rows per step, ring
-  depth."""
+  depth, consumer WGs per CTA (2 or 3)."""
 
   block_kv: int = 64
   block_q: int = 64
@@ -723,6 +723,7 @@ class MosaicAttentionVjpConfig:
   dq_block_q: int = 64
   dq_block_kv: int = 64
   dq_num_stages: int = 2
+  dq_consumers: int = 2
 
   @pydantic.field_validator("block_kv", "block_q", "dq_block_q", "dq_block_kv")
   @classmethod
@@ -736,6 +737,13 @@ class MosaicAttentionVjpConfig:
   def _stages(cls, v, info):
     if not 1 <= v <= 4:
       raise ValueError(f"{info.field_name} must be 1..4, got {v}")
+    return v
+
+  @pydantic.field_validator("dq_consumers")
+  @classmethod
+  def _consumers(cls, v):
+    if v not in (2, 3):
+      raise ValueError(f"dq_consumers must be 2 or 3, got {v}")
     return v
 
 
@@ -760,9 +768,10 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
            st * bq * hp * itemsize, st * bq * hvp * itemsize, st * bq * 4,
            st * bq * 4, interpret and _CONSUMERS * bk * bq * itemsize)
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
-  dq = r(_CONSUMERS * bq * hp * itemsize, _CONSUMERS * bq * hvp * itemsize,
-         _CONSUMERS * bq * 4, _CONSUMERS * bq * 4, st * bk * hp * itemsize,
-         st * bk * hvp * itemsize, interpret and _CONSUMERS * bq * bk * itemsize)
+  nc = config.dq_consumers
+  dq = r(nc * bq * hp * itemsize, nc * bq * hvp * itemsize,
+         nc * bq * 4, nc * bq * 4, st * bk * hp * itemsize,
+         st * bk * hvp * itemsize, interpret and nc * bq * bk * itemsize)
   return dkdv, dq
 
 
@@ -975,10 +984,12 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         lambda s: plgpu.barrier_wait(free.at[slot_of(s)]))
 
 
-def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
-  """dq for 2 * bq query rows of one (batch, head): WG 2 streams the key and
-  value blocks the rows see (the forward's ring); WGs 0/1 recompute
-  p = exp(logits - lse) and ds = p (dp - D) for bq rows each, dq += ds k."""
+def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: bool):
+  """dq for nc * bq query rows of one (batch, head): WG nc streams the key
+  and value blocks the rows see (the forward's ring); WGs 0 .. nc-1 recompute
+  p = exp(logits - lse) and ds = p (dp - D) for bq rows each, dq += ds k.
+  The consumers run unsynchronised (no turns): each waits for a block, uses
+  it and frees it."""
   it = iter(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
   bias_ref = next(it) if sp.bias_dims is not None else None
@@ -990,15 +1001,15 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
    ready, free) = it
   dtype = q_ref.dtype
   b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
-      sp, q_len_ref, kv_len_ref, bq, bk)
+      sp, q_len_ref, kv_len_ref, bq, bk, nc)
 
   def slot_of(j):
     return lax.rem(j - lo, jnp.int32(stages))
 
-  @pl.when(wg < _CONSUMERS)
+  @pl.when(wg < nc)
   def _consumer():
     if not interpret:
-      plgpu.set_max_registers(_consumer_regs(_CONSUMERS), action="increase")
+      plgpu.set_max_registers(_consumer_regs(nc), action="increase")
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
@@ -1079,7 +1090,7 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, interpret: bool):
     plgpu.copy_smem_to_gmem(q_t, dq_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == _CONSUMERS)
+  @pl.when(wg == nc)
   def _producer():
     if not interpret:
       plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
@@ -1119,7 +1130,8 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   if q_len is not None:
     lse2 = jnp.where(jnp.arange(t) < q_len[:, None, None], lse2, jnp.inf)
   # Row counts: multiples of 8 (TMA into 8-row tiles), at least one block.
-  tq = max(_CONSUMERS * config.dq_block_q, config.block_q, _round_up(t, 8))
+  dq_nc = config.dq_consumers
+  tq = max(dq_nc * config.dq_block_q, config.block_q, _round_up(t, 8))
   tk = max(_CONSUMERS * config.block_kv, config.dq_block_kv, _round_up(s, 8))
   q = _pad(_pad(q, 3, hp), 1, tq)
   do = _pad(_pad(dout.astype(dtype), 3, hvp), 1, tq)
@@ -1129,7 +1141,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   lengths = [x.astype(jnp.int32) for x in (q_len, kv_len) if x is not None]
   # Bias/mask tiles: the dq kernel reads [rows, keys] up to its last CTA's
   # rows and last key block, the dk/dv kernel [keys, rows] (transposed).
-  rows = max(_round_up(tq, _CONSUMERS * config.dq_block_q),
+  rows = max(_round_up(tq, dq_nc * config.dq_block_q),
              _round_up(t, config.block_q))
   cols = max(_round_up(s, config.dq_block_kv),
              _round_up(tk, _CONSUMERS * config.block_kv))
@@ -1137,7 +1149,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
            for name in ("bias", "mask") if args[name] is not None]
   dkdv_tiles = [jnp.swapaxes(x, 2, 3) for x in tiles]
   inputs = (q, k, v, do, lse2, delta, *tiles, *lengths)
-  common = dict(num_threads=_CONSUMERS + 1, thread_name="wg",
+  common = dict(thread_name="wg",
                 compiler_params=pallas_mosaic.compiler_params(approx_math=True),
                 interpret=pallas_mosaic.interpret_params())
 
@@ -1166,6 +1178,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
         # Key tiles vary fastest: CTAs in flight share the q/do tiles in L2.
         grid=(bsz, kv_heads, pl.cdiv(tk, _CONSUMERS * bk)),
         grid_names=("batch", "head", "kv"),
+        num_threads=_CONSUMERS + 1,
         kernel_name="tokamax_attention_bwd_dkdv_mosaic",
         **common,
     )(q, k, v, do, lse2, delta, *dkdv_tiles, *lengths)
@@ -1175,30 +1188,31 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
       grads["value"] = dv[:, :s, :, :hv]
 
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
-  nq = pl.cdiv(tq, _CONSUMERS * bq)
+  nq = pl.cdiv(tq, dq_nc * bq)
   dq, dbias = plgpu.kernel(
-      functools.partial(_dq_kernel, sp=sp, bq=bq, bk=bk, stages=st,
+      functools.partial(_dq_kernel, sp=sp, bq=bq, bk=bk, stages=st, nc=dq_nc,
                         interpret=interpret),
       out_type=[
           jax.ShapeDtypeStruct((bsz, tq, n, hp), dtype),
-          jax.ShapeDtypeStruct((bsz, n, nq * _CONSUMERS * bq, _round_up(s, bk)),
+          jax.ShapeDtypeStruct((bsz, n, nq * dq_nc * bq, _round_up(s, bk)),
                                jnp.float32)
           if sp.bias_dims is not None and want_dbias else None,
       ],
       scratch_types=[
-          plgpu.SMEM((_CONSUMERS, bq, hp), dtype),
-          plgpu.SMEM((_CONSUMERS, bq, hvp), dtype),
-          plgpu.SMEM((_CONSUMERS, bq), jnp.float32),
-          plgpu.SMEM((_CONSUMERS, bq), jnp.float32),
+          plgpu.SMEM((dq_nc, bq, hp), dtype),
+          plgpu.SMEM((dq_nc, bq, hvp), dtype),
+          plgpu.SMEM((dq_nc, bq), jnp.float32),
+          plgpu.SMEM((dq_nc, bq), jnp.float32),
           plgpu.SMEM((st, bk, hp), dtype),
           plgpu.SMEM((st, bk, hvp), dtype),
-          plgpu.SMEM((_CONSUMERS, bq, bk), dtype) if interpret else None,
-          plgpu.Barrier(num_arrivals=4, num_barriers=_CONSUMERS),  # q_ready
+          plgpu.SMEM((dq_nc, bq, bk), dtype) if interpret else None,
+          plgpu.Barrier(num_arrivals=4, num_barriers=dq_nc),  # q_ready
           plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
-          plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
+          plgpu.Barrier(num_arrivals=dq_nc, num_barriers=st),  # free
       ],
       grid=(bsz, n, nq),
       grid_names=("batch", "head", "q"),
+      num_threads=dq_nc + 1,
       kernel_name="tokamax_attention_bwd_dq_mosaic",
       **common,
   )(*inputs)
@@ -1265,24 +1279,27 @@ def _vjp_fits(c: MosaicAttentionVjpConfig, hp: int, hvp: int, itemsize: int) -> 
 
 def _vjp_regs_ok(c: MosaicAttentionVjpConfig, hp: int, hvp: int) -> bool:
   """f32 values per consumer thread: accumulators plus the two [M, N] blocks
-  (s and dp) of each kernel, within what 232 registers hold."""
+  (s and dp) of each kernel, within what a consumer's registers hold (232
+  with 2 consumers, 152 with 3; 40 left for the rest)."""
   dkdv_acc = max(c.block_kv * (w_dk * hp + w_dv * hvp) // 128
                  for w_dk, w_dv in dkdv_passes(c, hp, hvp))
   dkdv = dkdv_acc + 2 * c.block_kv * c.block_q // 128
   dq = c.dq_block_q * hp // 128 + 2 * c.dq_block_q * c.dq_block_kv // 128
-  return max(dkdv, dq) <= 192
+  return (dkdv <= _consumer_regs(_CONSUMERS) - 40
+          and dq <= _consumer_regs(c.dq_consumers) - 40)
 
 
 def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int,
                          itemsize: int) -> MosaicAttentionVjpConfig:
-  """64-row tiles (dq: 128-key steps at head dim 64) with the deepest ring
-  (up to 2) that fits shared memory: the fastest of the H200 sweep
-  (docs/benchmarks.md)."""
+  """64-row tiles with the deepest ring (up to 2) that fits shared memory;
+  at head dim 64 the dq kernel runs three consumers over 64-key steps (seed
+  shape forward+backward 2.78 -> 2.70 ms causal, 4.86 -> 4.68-4.75 ms not,
+  H200 2026-12-03, docs/benchmarks.md); above, two (a third would spill)."""
   del t, s
-  dq_bk = 128 if hp + hvp <= 128 else 64
+  dq_nc = 3 if hp + hvp <= 128 else 2
   for stages in (2, 1):
     c = MosaicAttentionVjpConfig(num_stages=stages, dq_num_stages=stages,
-                                 dq_block_kv=dq_bk)
+                                 dq_consumers=dq_nc)
     if _vjp_fits(c, hp, hvp, itemsize):
       return c
   return MosaicAttentionVjpConfig(num_stages=1, dq_num_stages=1)
@@ -1290,13 +1307,15 @@ def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int,
 
 def vjp_search_space(t: int, s: int, hp: int, hvp: int,
                      itemsize: int) -> set[MosaicAttentionVjpConfig]:
-  """Rings of 2-3 stages (1 was 1.4x slower on the H200) and the tiles that
-  fit the registers; the heuristic config (1 stage at head dim 256) too."""
+  """Rings of 2-3 stages (1 was 1.4x slower on the H200), 2 or 3 dq
+  consumers, and the tiles that fit the registers; the heuristic config (1
+  stage at head dim 256) too."""
   configs = {vjp_heuristic_config(t, s, hp, hvp, itemsize)}
-  for bk, bq, st, dbk, dst in itertools.product(
-      (64, 128), (64, 128), (2, 3), (64, 128), (2, 3)):
+  for bk, bq, st, dbk, dst, dnc in itertools.product(
+      (64, 128), (64, 128), (2, 3), (64, 128), (2, 3), (2, 3)):
     c = MosaicAttentionVjpConfig(block_kv=bk, block_q=bq, num_stages=st,
-                                 dq_block_q=64, dq_block_kv=dbk, dq_num_stages=dst)
+                                 dq_block_q=64, dq_block_kv=dbk, dq_num_stages=dst,
+                                 dq_consumers=dnc)
     if _vjp_regs_ok(c, hp, hvp) and _vjp_fits(c, hp, hvp, itemsize):
       configs.add(c)
   return configs
