@@ -7,8 +7,9 @@ the Mosaic backward under each config of CONFIGS in its search space.
 Prints times and writes attention_mosaic_vjp_sweep.json. VJP_CONFIGS=heuristic
 times only the heuristic backward config (the default of a plain call).
 SHAPES: comma-separated words matched against the shape labels ("" = all);
-CONFIGS: "64.128.3.64.128.3,64.128.3.64.64.2.3" (MosaicAttentionVjpConfig's
-fields in order), timed whether or not in the search space.
+CONFIGS: "64.128.3.64.128.3,64.64.2.64.64.2.3" (MosaicAttentionVjpConfig's
+fields in order; the last, dq_consumers, may be left out), timed whether or
+not in the search space.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def main(out_dir=".", words="", explicit=""):
       if os.environ.get("VJP_CONFIGS") == "heuristic":
         c = mo.vjp_heuristic_config(t, t, h, h, 2)
         configs = [(c.block_kv, c.block_q, c.num_stages, c.dq_block_q, c.dq_block_kv,
-                    c.dq_num_stages)]
+                    c.dq_num_stages, c.dq_consumers)]
       if explicit:
         configs = [tuple(map(int, c.split("."))) for c in explicit.split(",")]
       for c in configs:
