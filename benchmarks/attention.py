@@ -1,9 +1,10 @@
 """Attention benchmark: tokamax implementations against jax.nn and a matmul.
 
-Usage: python benchmarks/attention.py [OUT_DIR] [ONLY]
+Usage: python benchmarks/attention.py [OUT_DIR] [ONLY] [SHAPES]
 Prints a markdown table and writes attention.json to OUT_DIR (default: .).
 ONLY (comma-separated) keeps the implementations whose label contains one of
-its words, e.g. "triton,jax.nn" (the matmul peers always run).
+its words, e.g. "triton,jax.nn" (the matmul peers always run); SHAPES
+(comma-separated) keeps the shapes whose label contains one of its words.
 Times are accelerator time (cupti on GPU, wallclock elsewhere), median of
 ITERATIONS runs, bf16 random inputs; FLOPs by the FlashAttention convention:
 4*B*N*T*S*H forward, 2.5x that backward, half of both when causal.
@@ -69,10 +70,12 @@ def _time(f, args, mode):
   return benchmarking.benchmark(f_std, flat, iterations=ITERATIONS)
 
 
-def main(out_dir=".", only=""):
+def main(out_dir=".", only="", shapes=""):
   rows = []
   words = [w for w in only.split(",") if w]
   for label, (shape, causals, slow_xla) in SHAPES.items():
+    if not common.selected(label, shapes):
+      continue
     b, t, n, kh, h = shape
     spec = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     kv_spec = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
