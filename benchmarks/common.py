@@ -68,6 +68,7 @@ def save(out_dir, name: str, rows, **meta) -> dict:
   meta = dict(date=datetime.date.today().isoformat(),
               device=jax.devices()[0].device_kind, jax=jax.__version__, **meta)
   path = pathlib.Path(out_dir) / f"{name}.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
   return meta
 
