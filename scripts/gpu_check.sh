@@ -53,7 +53,7 @@ if [[ $what == gpu_tests ]]; then
     *) sel=(tests) ;;
   esac
   if [[ ${PART:-all} == all || ${PART:-all} == 3 ]]; then
-    TOKAMAX_CACHE_DIR="$OUT/cache" timeout 120 python3 scripts/demo.py > "$OUT/demo.log" 2>&1 \
+    TOKAMAX_CACHE_DIR="$OUT/cache" timeout 200 python3 scripts/demo.py > "$OUT/demo.log" 2>&1 \
       || { status=1; tail -5 "$OUT/demo.log"; }
     tail -4 "$OUT/demo.log"
   fi
@@ -82,7 +82,7 @@ if [[ $what == ship_mosaic ]]; then
 fi
 if [[ $what == final ]]; then
   # Everything GPU-marked plus the layer_norm benchmark, inside one call.
-  TOKAMAX_CACHE_DIR="$OUT/cache" timeout 120 python3 scripts/demo.py > "$OUT/demo.log" 2>&1 \
+  TOKAMAX_CACHE_DIR="$OUT/cache" timeout 200 python3 scripts/demo.py > "$OUT/demo.log" 2>&1 \
     || { status=1; tail -5 "$OUT/demo.log"; }
   tail -3 "$OUT/demo.log"
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 360 python3 -m pytest -q -n 8 -p no:cacheprovider \
