@@ -1281,7 +1281,9 @@ def _vjp_fits(c: MosaicAttentionVjpConfig, hp: int, hvp: int, itemsize: int) -> 
 def _vjp_regs_ok(c: MosaicAttentionVjpConfig, hp: int, hvp: int) -> bool:
   """f32 values per consumer thread: accumulators plus the two [M, N] blocks
   (s and dp) of each kernel, within what a consumer's registers hold (232
-  with 2 consumers, 152 with 3; 40 left for the rest)."""
+  with 2 consumers, 152 with 3; 40 left for the rest). It rules out three
+  dq consumers at head dim 128 (128 values), measured 12-21 % slower there
+  (H200 2026-12-03)."""
   dkdv_acc = max(c.block_kv * (w_dk * hp + w_dv * hvp) // 128
                  for w_dk, w_dv in dkdv_passes(c, hp, hvp))
   dkdv = dkdv_acc + 2 * c.block_kv * c.block_q // 128
