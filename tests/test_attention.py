@@ -591,9 +591,12 @@ from tokamax.ops.attention import mosaic as mosaic_attn  # noqa: E402
 MOSAIC_TARGET = "mosaic_gpu_v2"
 
 
-def _mosaic_op(**config):
+def _mosaic_op(vjp: dict | None = None, **config):
+  """The "mosaic" op with forward `config` and, if given, a VJP config."""
+  kwargs = {} if vjp is None else dict(vjp=mosaic_attn.MosaicDotProductAttentionVjp(
+      config=mosaic_attn.MosaicAttentionVjpConfig(**vjp)))
   return mosaic_attn.MosaicDotProductAttention(
-      config=mosaic_attn.MosaicAttentionConfig(**config))
+      config=mosaic_attn.MosaicAttentionConfig(**config), **kwargs)
 
 
 class _MosaicInterpretMixin:
@@ -658,11 +661,8 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     (every other 64-row consumer on the causal diagonal, key lengths just
     past a block edge) runs as a 64-key step (HALF_LAST_BLOCK), or in full."""
     monkeypatch.setattr(mosaic_attn, "HALF_LAST_BLOCK", half)
-    self.op = mosaic_attn.MosaicDotProductAttention(
-        config=mosaic_attn.MosaicAttentionConfig(
-            block_q=64, block_kv=128, num_stages=2, consumers=consumers),
-        vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=mosaic_attn.MosaicAttentionVjpConfig(
-            dq_block_kv=128, dq_consumers=2)))
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
+                         vjp=dict(dq_block_kv=128, dq_consumers=2))
     t, s = (320, 330) if feature != "t_ne_s_causal" else (200, 330)
     self.check(dataclasses.replace(FEATURES[feature], t=t, s=s), BF16, feature)
 
@@ -672,10 +672,8 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
   def test_dq_three_consumers(self, feature, dq_bk):
     """The dq kernel with three consumer WGs (192-row CTAs, a ragged last
     CTA): skip steps, half steps (128-key steps), dbias, rows past the ends."""
-    self.op = mosaic_attn.MosaicDotProductAttention(
-        config=mosaic_attn.MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2),
-        vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=mosaic_attn.MosaicAttentionVjpConfig(
-            dq_consumers=3, dq_block_kv=dq_bk)))
+    self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2,
+                         vjp=dict(dq_consumers=3, dq_block_kv=dq_bk))
     self.check(dataclasses.replace(FEATURES[feature], t=300, s=260), BF16, feature)
 
   @hypothesis.settings(max_examples=6, deadline=None)
