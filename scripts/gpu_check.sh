@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|final|ship|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|final|ship|upstream|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -221,6 +221,24 @@ if [[ $what == ln_alloc ]]; then
       XLA_PYTHON_CLIENT_ALLOCATOR=$a timeout 150 python3 benchmarks/layer_norm.py "$OUT/$i-$a" 2>&1 \
       | grep -E "^[0-9]" | grep -E "forward +(mosaic|triton|xla|copy)" | sed "s/^/$a  /"
   done
+  exit
+fi
+if [[ $what == upstream ]]; then
+  # Ours against upstream Tokamax (PyPI), each in its own process (both are
+  # `tokamax`): carry [".whl", ".whl_up"], .whl_up holding the upstream wheel
+  # and its dependencies (docs/benchmarks.md says which).
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/upstream .whl_up/*.whl || exit 1
+  # RUNS: "label:library:groups" triples (benchmarks/upstream.py's GROUPS).
+  for run in ${RUNS:-pypi:pypi:attention,layer_norm ours:ours:attention,layer_norm}; do
+    IFS=: read -r label lib groups <<< "$run"
+    path=$PWD; [[ $lib == pypi ]] && path=/tmp/upstream
+    (cd benchmarks && PYTHONPATH=$path:/tmp/site timeout ${LIB_S:-270} \
+      python3 upstream.py run "$OUT" "$label" "$groups" 2>&1 \
+      | grep -v "cuda_timer\|Delay kernel\|Autotuning cache miss" \
+      | tee "$OUT/upstream_$label.log" | cut -c1-200 | tail -4)
+  done
+  python3 benchmarks/upstream.py compare "$OUT" | tee "$OUT/upstream.md" | tail -70
   exit
 fi
 if [[ $what == ln ]]; then
