@@ -226,7 +226,7 @@ fi
 if [[ $what == upstream ]]; then
   # Ours against upstream Tokamax (PyPI), each in its own process (both are
   # `tokamax`): carry [".whl", ".whl_up"], .whl_up holding the upstream wheel
-  # and its dependencies (docs/benchmarks.md says which).
+  # and its dependencies (made by scripts/fetch_upstream_wheels.sh).
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/upstream .whl_up/*.whl || exit 1
   # RUNS: "label:library:groups" triples (benchmarks/upstream.py's GROUPS).
