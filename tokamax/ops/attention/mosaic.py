@@ -87,7 +87,10 @@ SUM_UNDER_PV = True
 # than _RESCALE_TAU (log2 units, so P <= 2^8) recomputes them and rescales O,
 # the others skip the O rescale (lazy rescaling, FA4). The interpreter runs
 # the same math branch-free. H200: 0.6-1.6 % faster at H128, 2-4 % slower at
-# H64 (docs/benchmarks.md), so H64 keeps the plain step.
+# H64 (docs/benchmarks.md), so H64 keeps the plain step. Accuracy: P up to
+# 2^tau raises the H128 mean output error by 3 % (2.16e-3 vs 2.10e-3 of the
+# mean |O|, cuDNN 2.10e-3); tau 0 restores it at 24 % of the forward's time
+# (benchmarks/attention_accuracy.py, H200 2026-12-03).
 LAZY_RESCALE = True
 _RESCALE_TAU = 8.0
 # Registers per thread (64 Ki per SM shared by 128-thread WGs, so the
