@@ -32,14 +32,6 @@ SHAPES = {
 CHUNK_CONFIGS = [(2048, 512), (2048, 1024), (1024, 1024)]
 
 
-def _flops(shape, causal, mode):
-  b, t, n, _, h = shape
-  f = 4 * b * n * t * t * h
-  if mode == "forward_and_vjp":
-    f *= 3.5
-  return f / 2 if causal else f
-
-
 def _candidates(slow_xla):
   # cuDNN right after "mosaic" and before the slow XLA runs, so the pair is
   # timed side by side (cuDNN's own H128 forward+backward reads 6.3-7.2 ms
@@ -88,7 +80,7 @@ def main(out_dir=".", only="", shapes=""):
           try:
             data = _time(f, (spec, kv_spec, kv_spec), mode)
             ms = data.median_evaluation_time_ms
-            tflops = _flops(shape, causal, mode) / ms / 1e9
+            tflops = common.attention_flops(shape, causal, mode) / ms / 1e9
             rows.append(dict(shape=label, causal=causal, mode=mode, impl=name,
                              ms=ms, tflops=tflops, method=data.method))
           except Exception as e:  # record and go on: a peer may not support it

@@ -32,6 +32,14 @@ def seed_inputs(demo):
   return x, scale
 
 
+def attention_flops(shape, causal: bool, mode: str) -> float:
+  """FlashAttention FLOP convention for shape (B, T, N, K, H) with S = T:
+  4*B*N*T*T*H forward, 3.5x that for "forward_and_vjp", half when causal."""
+  b, t, n, _, h = shape
+  f = 4 * b * n * t * t * h * (3.5 if mode == "forward_and_vjp" else 1)
+  return f / 2 if causal else f
+
+
 def qk_matmul(b: int, n: int, t: int, h: int):
   """(fn, arg specs, FLOPs): a bf16 batched matmul of q.k^T's size,
   [B*N, T, H] @ [B*N, H, T] (the attention benchmarks' peer)."""

@@ -55,12 +55,6 @@ def _timer():
   return module
 
 
-def _attention_flops(shape, causal, mode):
-  b, t, n, _, h = shape
-  f = 4 * b * n * t * t * h * (3.5 if mode == "forward_and_vjp" else 1)
-  return f / 2 if causal else f
-
-
 def _rel_err(out, ref):
   out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
   return float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
@@ -93,7 +87,7 @@ def _cases(tokamax):
       if not causal and h == 64:
         fns.append(("jax.nn xla", lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, implementation="xla")))
-      work = {m: _attention_flops(shape, causal, m) for m in MODES}
+      work = {m: common.attention_flops(shape, causal, m) for m in MODES}
       ref = lambda q, k, v, c=causal: jax.nn.dot_product_attention(
           *(x.astype(jnp.float32) for x in (q, k, v)), is_causal=c, implementation="xla")
       yield "attention", label, dict(causal=causal), specs, work, ref, fns
