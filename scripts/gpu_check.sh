@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|final|ship|upstream|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|final|ship|upstream|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -181,6 +181,25 @@ if [[ $what == ln_loop ]]; then
   timeout 300 python3 benchmarks/layer_norm_loop_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/ln_loop.log" | tail -60
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -20
+  exit
+fi
+if [[ $what == ln_params ]]; then
+  # layer_norm with bf16 scale/offset: the looping-forward GPU tests, an A/B
+  # of LOOP_NATIVE_PARAMS on the shipped configs, then the looping configs
+  # (PPS programs per SM, prefetch depth 1) with the switch on and off;
+  # f32 parameters' shipped configs as the reference. EXTRA: a command run last.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    -m gpu tests/test_layer_norm.py -k "looped_forward" 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
+  mkdir -p "$OUT/ab_bf16" "$OUT/ab_f32" "$OUT/sweep_native" "$OUT/sweep_widened"
+  sweep() { timeout ${SWEEP_S:-120} python3 benchmarks/layer_norm_loop_sweep.py "$@" 2>&1 \
+    | grep -v "cuda_timer\|Delay kernel" | grep "tbps\|error"; }
+  PARAM_DTYPE=bfloat16 sweep "$OUT/ab_bf16" LOOP_NATIVE_PARAMS=False,True | tee "$OUT/ab_bf16.log"
+  PARAM_DTYPE=bfloat16 PPS=${PPS:-1,2,4,8} DEPTHS=1 sweep "$OUT/sweep_native" \
+    sweep:LOOP_NATIVE_PARAMS=True | tee "$OUT/sweep_native.log"
+  PARAM_DTYPE=bfloat16 PPS=${PPS:-1,2,4,8} DEPTHS=1 sweep "$OUT/sweep_widened" \
+    sweep:LOOP_NATIVE_PARAMS=False | tee "$OUT/sweep_widened.log"
+  sweep "$OUT/ab_f32" LOOP_NATIVE_PARAMS=False | tee "$OUT/ab_f32.log"
+  [[ -n ${EXTRA:-} ]] && eval "$EXTRA"
   exit
 fi
 if [[ $what == ln_mosaic ]]; then
