@@ -1,6 +1,6 @@
 """Sweeps the looping layer_norm forward (programs_per_sm > 0) on the GPU.
 
-Usage: [PARAM_DTYPE=bfloat16] [PPS=1,2] [DEPTHS=1] \
+Usage: [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=4,8] [PPS=1,2] [DEPTHS=1] \
   python benchmarks/layer_norm_loop_sweep.py [OUT_DIR] [FLAG=A,B,...|sweep:FLAG=A] [SHAPES]
 x bf16 8192x8192 and 65536x1024, scale and offset f32 (or PARAM_DTYPE),
 forward only, TB/s of
@@ -60,9 +60,12 @@ def main(out_dir=".", flag="", shapes=""):
 
   default = tr.LOOP_PREFETCH
   param_dtype = jnp.dtype(os.environ.get("PARAM_DTYPE", "float32"))
-  pps_env, depths_env = os.environ.get("PPS"), os.environ.get("DEPTHS")
-  loops = [l for l in LOOPS if not pps_env or str(l[0]) in pps_env.split(",")]
-  depths = [d for d in DEPTHS if not depths_env or str(d) in depths_env.split(",")]
+
+  def only(env, values, key=lambda v: v):
+    wanted = os.environ.get(env)
+    return [v for v in values if not wanted or str(key(v)) in wanted.split(",")]
+
+  loops, depths = only("PPS", LOOPS, key=lambda l: l[0]), only("DEPTHS", DEPTHS)
   for (r, f), (blocks, warps) in SHAPES.items():
     if shapes and f"{r}x{f}" not in shapes.split(","):
       continue
@@ -91,7 +94,7 @@ def main(out_dir=".", flag="", shapes=""):
       setattr(tr, flag_name, default_value)
       continue
     for block, w, (pps, stages), prefetch in itertools.product(
-        blocks, warps, loops, depths):
+        only("BLOCKS", blocks), only("WARPS", warps), loops, depths):
       per_thread = block * f / (32 * w)
       if not 4 <= per_thread <= 64 or (prefetch and not pps):
         continue

@@ -184,21 +184,19 @@ if [[ $what == ln_loop ]]; then
   exit
 fi
 if [[ $what == ln_params ]]; then
-  # layer_norm with bf16 scale/offset: the looping-forward GPU tests, an A/B
-  # of LOOP_NATIVE_PARAMS on the shipped configs, then the looping configs
-  # (PPS programs per SM, prefetch depth 1) with the switch on and off;
-  # f32 parameters' shipped configs as the reference. EXTRA: a command run last.
+  # layer_norm forward, f32 and bf16 scale/offset: the looping-forward GPU
+  # tests, then the looping configs picked by BLOCKS, WARPS, PPS and DEPTHS
+  # (layer_norm_loop_sweep.py's variables) at 8192^2 for each parameter
+  # dtype, REPEATS times. EXTRA: a command run last.
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider \
     -m gpu tests/test_layer_norm.py -k "looped_forward" 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
-  mkdir -p "$OUT/ab_bf16" "$OUT/ab_f32" "$OUT/sweep_native" "$OUT/sweep_widened"
-  sweep() { timeout ${SWEEP_S:-120} python3 benchmarks/layer_norm_loop_sweep.py "$@" 2>&1 \
-    | grep -v "cuda_timer\|Delay kernel" | grep "tbps\|error"; }
-  PARAM_DTYPE=bfloat16 sweep "$OUT/ab_bf16" LOOP_NATIVE_PARAMS=False,True | tee "$OUT/ab_bf16.log"
-  PARAM_DTYPE=bfloat16 PPS=${PPS:-1,2,4,8} DEPTHS=1 sweep "$OUT/sweep_native" \
-    sweep:LOOP_NATIVE_PARAMS=True | tee "$OUT/sweep_native.log"
-  PARAM_DTYPE=bfloat16 PPS=${PPS:-1,2,4,8} DEPTHS=1 sweep "$OUT/sweep_widened" \
-    sweep:LOOP_NATIVE_PARAMS=False | tee "$OUT/sweep_widened.log"
-  sweep "$OUT/ab_f32" LOOP_NATIVE_PARAMS=False | tee "$OUT/ab_f32.log"
+  for rep in $(seq ${REPEATS:-2}); do
+    for dt in float32 bfloat16; do
+      mkdir -p "$OUT/$dt-$rep"
+      PARAM_DTYPE=$dt timeout ${SWEEP_S:-100} python3 benchmarks/layer_norm_loop_sweep.py \
+        "$OUT/$dt-$rep" "" ${SHAPES:-8192x8192} 2>&1 | grep "tbps\|error" | tee "$OUT/$dt-$rep.log"
+    done
+  done
   [[ -n ${EXTRA:-} ]] && eval "$EXTRA"
   exit
 fi

@@ -61,11 +61,6 @@ MAX_FEATURES = 16384
 # 3.81 at depth 1 (docs/benchmarks.md); benchmarks/layer_norm_loop_sweep.py
 # sweeps it.
 LOOP_PREFETCH = 1
-# Looping forward with 16-bit scale/offset: hold them in their own dtype
-# (half the registers of f32) and widen them per tile. They travel as loop
-# state through an always-true select so that loop-invariant code motion
-# cannot hoist the widening (and the f32 copies) out of the loop.
-LOOP_NATIVE_PARAMS = False
 # Heuristic targets: bytes a forward program moves (x read + y written), and
 # f32 values per thread in one [block_rows, Fp] tile (register budget; the
 # backward keeps ~4 such tiles live).
@@ -309,41 +304,18 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
     g = _i32(pl.program_id(0))  # read outside the loop (interpret mode)
     # scale/offset once per program: at F = 8192 they are 4x a 1-row bf16
     # tile, re-read per tile otherwise.
-    native = LOOP_NATIVE_PARAMS and all(
-        r is None or r.dtype.itemsize == 2 for r in (scale_ref, offset_ref))
-    if native:
-      col_ok = jnp.arange(view.fp) < f
-      raw = tuple(
-          None if r is None else
-          pltr.load(r.at[pl.ds(_i32(0), view.fp)], mask=col_ok, other=0.0)
-          for r in (scale_ref, offset_ref))
-    else:
-      raw = scale(), offset()
-
-    def widen(k, raw):
-      """(loop state, (scale, offset) in f32) of the held parameters."""
-      if not native:
-        return raw, raw
-      live = k < trips  # always true: keeps `raw` loop state (see LOOP_NATIVE_PARAMS)
-      raw = tuple(None if r is None else jnp.where(live, r, jnp.zeros_like(r))
-                  for r in raw)
-      s, o = (None if r is None else r.astype(jnp.float32) for r in raw)
-      if s is not None and scale_offset:
-        s = jnp.where(col_ok, s + scale_offset, 0.0)
-      return raw, (s, o)
+    w_bias = scale(), offset()
 
     v0 = lambda k: (g + k * programs) * view.block
 
-    def body(k, state):  # ahead: tiles k .. k + LOOP_PREFETCH - 1, loaded
-      ahead, raw = state
+    def body(k, ahead):  # ahead: tiles k .. k + LOOP_PREFETCH - 1, loaded
       # Tile k + LOOP_PREFETCH first (past the end: masked, no traffic).
       xs = (*ahead, load_x(None, v0(k + LOOP_PREFETCH)))
-      raw, w_bias = widen(k, raw)
       normalise(None, v0(k), w_bias, xs[0])
-      return xs[1:], raw
+      return xs[1:]
 
     first = tuple(load_x(None, v0(_i32(i))) for i in range(LOOP_PREFETCH))
-    lax.fori_loop(_i32(0), _i32(trips), body, (first, raw))
+    lax.fori_loop(_i32(0), _i32(trips), body, first)
 
 
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
