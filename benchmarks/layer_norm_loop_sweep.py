@@ -30,10 +30,11 @@ import tokamax
 from tokamax._src import benchmarking
 from tokamax.ops.normalization import triton as tr
 
-SHAPES = {(8192, 8192): ((1, 2, 4), (4, 8, 16)), (65536, 1024): ((4, 8), (4, 8, 16)),
+SHAPES = {(8192, 8192): ((1, 2, 4), (4, 8, 16)), (65536, 1024): ((4, 8, 16), (4, 8, 16)),
           # Not run by default (SHAPES argument): other rows and features.
           (1024, 8192): ((1, 2), (4, 8, 16)), (32768, 8192): ((1, 2), (4, 8, 16)),
-          (4096, 16384): ((1, 2), (8, 16)), (16384, 4096): ((1, 2, 4), (4, 8, 16))}
+          (4096, 16384): ((1, 2), (8, 16)), (16384, 4096): ((1, 2, 4), (4, 8, 16)),
+          (32768, 2048): ((2, 4, 8), (4, 8, 16)), (131072, 512): ((8, 16, 32), (4, 8, 16))}
 DEFAULT_SHAPES = "8192x8192,65536x1024"
 LOOPS = [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (8, 2)]  # (programs_per_sm, stages)
 # 3, 5, 6: the tiles spread differently over the SMs. 65536x1024 in 4-row
