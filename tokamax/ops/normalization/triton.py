@@ -66,6 +66,13 @@ LOOP_PREFETCH = 1
 # backward keeps ~4 such tiles live).
 _TARGET_BYTES = 32 * 1024
 _VALUES_PER_THREAD = 32
+# Forward of 16-bit x ([R, F] views): (block_rows, warps, programs_per_sm)
+# by Fp, the fastest looping configs on the H200 with f32 and with bf16
+# scale/offset (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md
+# 2026-12-03 13:33): 8192 at 8192 and 32768 rows 3.50-3.70 TB/s against
+# 3.27-3.59 for the rule below; 16384 3.42-3.50 against 2.90-3.47; 4096 at
+# 16384 rows 3.62-3.67 against 3.22-3.23.
+_LOOP_CONFIGS_16BIT = {4096: (2, 16, 2), 8192: (1, 4, 2), 16384: (1, 8, 1)}
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -112,7 +119,8 @@ def _warps_for(fp: int) -> int:
 
 def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
                      backward: bool = False) -> TritonLayerNormConfig:
-  """Warps by feature size; rows so a program moves ~32 KiB (see module doc).
+  """Warps by feature size; rows so a program moves ~32 KiB (see module doc);
+  measured looping configs for 16-bit x at Fp = 4096-16384 (forward).
 
   For the [pre, F, post] view: tiles of up to 32 (forward) or 16 (backward)
   columns and the fewest warps that keep <= 128 (forward) or <= 64
@@ -127,6 +135,11 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
     threads = fp * block // per_thread
     warps = 4 if threads <= 128 else 8 if threads <= 256 else 16
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
+  if itemsize == 2 and fp in _LOOP_CONFIGS_16BIT and not backward:
+    block_rows, warps, programs_per_sm = _LOOP_CONFIGS_16BIT[fp]
+    return TritonLayerNormConfig(
+        block_rows=min(block_rows, _next_pow2(rows)), num_warps=warps,
+        programs_per_sm=programs_per_sm)
   warps = _warps_for(fp)
   block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
   block_rows = min(block_rows, _prev_pow2(_VALUES_PER_THREAD * 32 * warps // fp))
@@ -137,10 +150,10 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
 
 
 def _programs_per_sm(block_rows: int, itemsize: int) -> int:
-  """Forward [R, F]: loop (1 program per SM) where the f32 scale and offset
-  (8 bytes per feature) outweigh a tile of x, as for 1-row tiles at F = 8192
-  (1 row, 16 warps on the H200: 3.28 TB/s, 2 per SM 3.20, one program per
-  tile 2.22; docs/benchmarks.md)."""
+  """Forward [R, F] outside `_LOOP_CONFIGS_16BIT`: loop (1 program per SM)
+  where the f32 scale and offset (8 bytes per feature) outweigh a tile of x,
+  as for 1-row tiles at F = 8192 (bf16 x, 1 row, 16 warps on the H200: 3.28
+  TB/s, 2 per SM 3.20, one program per tile 2.22; docs/benchmarks.md)."""
   return 1 if block_rows * itemsize < 8 else 0
 
 
