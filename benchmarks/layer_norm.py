@@ -1,12 +1,13 @@
 """layer_norm benchmark: tokamax "mosaic" and "triton" against "xla".
 
-Usage: [SHAPES=8192x8192,...] [MODES=forward] [REPEATS=n] \
+Usage: [SHAPES=8192x8192,...] [MODES=forward] [REPEATS=n] [PARAM_DTYPE=bfloat16] \
   python benchmarks/layer_norm.py [OUT_DIR]
 Prints a markdown table and writes layer_norm.json to OUT_DIR (default: .).
 SHAPES and MODES pick a subset of the labels below; REPEATS times each row
 n times in the same process (the spread between timings, not just one).
 x is bf16 [R, F] (normalised over F) or [16, 1024, 4096] normalised over
-axis 1 (the [pre, F, post] kernel), scale and offset f32 [F]. Times are
+axis 1 (the [pre, F, post] kernel), scale and offset f32 [F] (or
+PARAM_DTYPE). Times are
 accelerator time (cupti on GPU, wallclock elsewhere), median of ITERATIONS
 runs. Effective bandwidth counts the bytes that must move at least once:
 forward x read + y written (2 R F itemsize); forward_and_vjp adds the
@@ -57,13 +58,14 @@ def main(out_dir="."):
   shapes = _pick(SHAPES, os.environ.get("SHAPES"))
   modes = _pick(MODES, os.environ.get("MODES"))
   repeats = int(os.environ.get("REPEATS", "1"))
+  param_dtype = jnp.dtype(os.environ.get("PARAM_DTYPE", "float32"))
   rows = []
   for (label, (shape, axis)), _ in itertools.product(shapes.items(), range(repeats)):
     if not on_gpu:
       shape = (shape[0] // 64 or 1,) + shape[1:]
       label = "x".join(map(str, shape)) + (f" axis {axis}" if axis != len(shape) - 1 else "")
     x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    p = jax.ShapeDtypeStruct((shape[axis],), jnp.float32)
+    p = jax.ShapeDtypeStruct((shape[axis],), param_dtype)
     size = x.size
     for mode in modes:
       for impl in IMPLEMENTATIONS:
@@ -85,7 +87,8 @@ def main(out_dir="."):
     rows.append(dict(shape=label, mode="forward", impl="copy", ms=ms,
                      tbps=2 * size * x.dtype.itemsize / ms / 1e9, method=data.method))
     print(_fmt(rows[-1]), flush=True)
-  meta = common.save(out_dir, "layer_norm", rows, iterations=ITERATIONS)
+  meta = common.save(out_dir, "layer_norm", rows, iterations=ITERATIONS,
+                     param_dtype=param_dtype.name)
   print(f"\n{meta}")
   print(markdown(rows))
 

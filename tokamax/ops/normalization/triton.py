@@ -68,11 +68,14 @@ _TARGET_BYTES = 32 * 1024
 _VALUES_PER_THREAD = 32
 # Forward of 16-bit x ([R, F] views): (block_rows, warps, programs_per_sm)
 # by Fp, the fastest looping configs on the H200 with f32 and with bf16
-# scale/offset (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md
-# 2026-12-03 13:33): 8192 at 8192 and 32768 rows 3.50-3.70 TB/s against
-# 3.27-3.59 for the rule below; 16384 3.42-3.50 against 2.90-3.47; 4096 at
-# 16384 rows 3.62-3.67 against 3.22-3.23.
-_LOOP_CONFIGS_16BIT = {4096: (2, 16, 2), 8192: (1, 4, 2), 16384: (1, 8, 1)}
+# scale/offset alike (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md
+# 2026-12-03 13:33), TB/s against the rule below (f32 / bf16 parameters):
+# 512 3.82 / 3.83 against 3.73 / 3.77; 1024 3.79 / 3.82 against 3.67 (bf16);
+# 2048 3.74 / 3.75 against 2.47 / 3.72 (one program per 4-row tile re-reads
+# 16 KiB of f32 parameters per 16 KiB of x); 4096 3.62 / 3.67 against 3.23 /
+# 3.22; 8192 3.50-3.70 against 3.27-3.59; 16384 3.42 / 3.50 against 2.90 / 3.47.
+_LOOP_CONFIGS_16BIT = {512: (8, 8, 8), 1024: (4, 8, 8), 2048: (2, 8, 8), 4096: (2, 16, 2),
+                       8192: (1, 4, 2), 16384: (1, 8, 1)}
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -120,7 +123,7 @@ def _warps_for(fp: int) -> int:
 def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
                      backward: bool = False) -> TritonLayerNormConfig:
   """Warps by feature size; rows so a program moves ~32 KiB (see module doc);
-  measured looping configs for 16-bit x at Fp = 4096-16384 (forward).
+  measured looping configs for 16-bit x at Fp = 512-16384 (forward).
 
   For the [pre, F, post] view: tiles of up to 32 (forward) or 16 (backward)
   columns and the fewest warps that keep <= 128 (forward) or <= 64
@@ -168,7 +171,7 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
     if block_rows < 1 or block_rows > limit:
       continue
     for warps, pps in itertools.product(
-        (4, 8, 16), (0,) if backward or post > 1 else (0, 1, 2, 4)):
+        (4, 8, 16), (0,) if backward or post > 1 else (0, 1, 2, 4, 8)):
       per_thread = block_rows * fp / (32 * warps)
       if 4 <= per_thread <= 64:
         configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps,
