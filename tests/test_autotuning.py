@@ -412,6 +412,30 @@ def test_nearest_shape_config_that_exceeds_shared_memory_is_not_taken(resolved):
   assert config == ln_mosaic.heuristic_config(4096, 8192, 2)
 
 
+def test_triton_layer_norm_takes_its_heuristic_not_the_nearest_shape(monkeypatch, resolved):
+  """borrows_nearest_config = False: at 16384x4096 (f32 scale) the "triton"
+  layer_norm takes its measured heuristic config, not the shipped 8192^2
+  entry's; a shipped shape still gets its own entry."""
+  from tokamax.ops.normalization import triton as ln_triton
+
+  monkeypatch.setattr(autotuning, "_SHIPPED_DIR", ROOT / "tokamax" / "data" / "autotuning")
+  s = jax.ShapeDtypeStruct((4096,), jnp.float32)
+  s8 = jax.ShapeDtypeStruct((8192,), jnp.float32)
+  f = lambda x, s: tokamax.layer_norm(x, s, s, implementation="triton")
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    for shape, p in (((16384, 4096), s), ((8192, 8192), s8)):
+      resolved.clear()
+      jax.eval_shape(f, jax.ShapeDtypeStruct(shape, jnp.bfloat16), p)
+      (config,) = [c for cls, c in resolved if cls is ln_triton.TritonLayerNorm]
+      if shape == (8192, 8192):  # the shipped entry
+        assert config == ln_triton.TritonLayerNormConfig(
+            block_rows=2, num_warps=8, programs_per_sm=1)
+      else:
+        assert config == ln_triton.heuristic_config(*shape, 2)
+        assert config != ln_triton.TritonLayerNormConfig(
+            block_rows=2, num_warps=8, programs_per_sm=1)
+
+
 def test_vmap_levels_are_part_of_the_key_and_tuned(resolved):
   qs = jax.random.normal(jax.random.key(3), (3, 2, 24, 2, 16))
 

@@ -5,7 +5,8 @@ active `AutotuningResult` contexts (innermost first), the user cache
 (`$TOKAMAX_CACHE_DIR/<device kind>/<op>.json`), the cache shipped in
 `tokamax/data/autotuning/<device kind>/<op>.json`, the nearest cached shape of
 the same op, dtypes and static arguments (if its config is in this call's
-search space, or the op has none), and finally the miss policy:
+search space, or the op has none, and the op's `borrows_nearest_config`),
+and finally the miss policy:
 "heuristics" (default; one log line per op per process), "autotune" (tune this
 call now and remember it) or "error". Set the policy with
 `tokamax.config.autotuning_miss_policy(...)` or `TOKAMAX_AUTOTUNING_MISS_POLICY`.
@@ -412,7 +413,8 @@ def lookup(ba: op_lib.BoundArguments) -> Any:
   # the nearest shape's config is taken only where it is in this call's
   # search space; ops without a search space take it as it is.
   config = None
-  if any(e.op == op for result in cached for e in result.entries):
+  if ba.op.borrows_nearest_config and any(
+      e.op == op for result in cached for e in result.entries):
     candidates = _candidates(ba)
     config = _nearest(cached, op, key, set(candidates) if len(candidates) > 1 else None)
   if config is not None:

@@ -228,6 +228,9 @@ class Op(abc.ABC):
   uses_out: ClassVar[bool] = True
   # VJP ops take (residuals, out, dout, *forward arguments).
   is_vjp: ClassVar[bool] = False
+  # Whether a call with no cached config may take the nearest cached shape's
+  # (autotuning.lookup); False where the heuristic beats borrowed configs.
+  borrows_nearest_config: ClassVar[bool] = True
 
   def __post_init__(self):
     if self.config is not None and not isinstance(self.config, self.config_cls):

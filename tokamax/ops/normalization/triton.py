@@ -526,6 +526,10 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
   """Fused layer norm / RMS norm forward in one Triton kernel."""
 
   implementation = "triton"
+  # The heuristic holds configs measured per feature size; the nearest cached
+  # shape's (8192^2's at 16384x4096, 32768x2048, 131072x512) ran at 3.24-3.45
+  # TB/s on the H200 against its 3.62-3.82 (docs/benchmarks.md, 2026-12-03).
+  borrows_nearest_config = False
   vjp: op_lib.Op | None = dataclasses.field(default_factory=TritonLayerNormVjp)
 
   def _fwd(
