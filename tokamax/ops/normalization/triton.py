@@ -70,10 +70,9 @@ _VALUES_PER_THREAD = 32
 # by Fp, the fastest looping configs on the H200 with f32 and with bf16
 # scale/offset alike (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md
 # 2026-12-03 13:33), TB/s against the rule below (f32 / bf16 parameters):
-# 512 3.82 / 3.83 against 3.73 / 3.77; 1024 3.79 / 3.82 against 3.67 (bf16);
-# 2048 3.74 / 3.75 against 2.47 / 3.72 (one program per 4-row tile re-reads
-# 16 KiB of f32 parameters per 16 KiB of x); 4096 3.62 / 3.67 against 3.23 /
-# 3.22; 8192 3.50-3.70 against 3.27-3.59; 16384 3.42 / 3.50 against 2.90 / 3.47.
+# 512 3.82 / 3.83 against 3.74 / 3.78; 1024 3.79 / 3.82 against 3.58 / 3.66;
+# 2048 3.74 / 3.75 against 3.48 / 3.72; 4096 3.62 / 3.67 against 3.24 / 3.23;
+# 8192 3.48-3.70 against 3.28-3.40; 16384 3.42 / 3.50 against 2.90 / 3.48.
 _LOOP_CONFIGS_16BIT = {512: (8, 8, 8), 1024: (4, 8, 8), 2048: (2, 8, 8), 4096: (2, 16, 2),
                        8192: (1, 4, 2), 16384: (1, 8, 1)}
 
@@ -527,8 +526,9 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
 
   implementation = "triton"
   # The heuristic holds configs measured per feature size; the nearest cached
-  # shape's (8192^2's at 16384x4096, 32768x2048, 131072x512) ran at 3.24-3.45
-  # TB/s on the H200 against its 3.62-3.82 (docs/benchmarks.md, 2026-12-03).
+  # shape's (8192^2's or 65536x1024's, at 16384x4096, 32768x2048, 131072x512)
+  # ran at 3.24-3.45 TB/s on the H200 against its 3.62-3.82
+  # (docs/benchmarks.md, 2026-12-03).
   borrows_nearest_config = False
   vjp: op_lib.Op | None = dataclasses.field(default_factory=TritonLayerNormVjp)
 
