@@ -1,12 +1,13 @@
 """Sweeps the looping layer_norm forward (programs_per_sm > 0) on the GPU.
 
-Usage: [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=4,8] [PPS=1,2] [DEPTHS=1] \
+Usage: [X_DTYPE=float32] [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=4,8] [PPS=1,2] [DEPTHS=1] \
   python benchmarks/layer_norm_loop_sweep.py [OUT_DIR] [FLAG=A,B,...|sweep:FLAG=A] [SHAPES]
-x bf16 8192x8192 and 65536x1024, scale and offset f32 (or PARAM_DTYPE),
+x bf16 (or X_DTYPE) 8192x8192 and 65536x1024, scale and offset f32 (or PARAM_DTYPE),
 forward only, TB/s of
 x read + y written: the shipped configs (implementation="triton"; "mosaic" as a peer), one
 program per tile, and programs looping over tiles (LOOP_PREFETCH in
-DEPTHS: tiles loaded that many trips ahead of the one normalised);
+DEPTHS: tiles loaded that many trips ahead of the one normalised; one
+program per tile (PPS 0) runs whatever DEPTHS);
 XLA and a copy (x + 1) in the same run. Writes layer_norm_loop_sweep.json.
 With FLAG=A,B,... (a module-level constant of tokamax.ops.normalization.triton
 and Python literals for it) only the shipped configs are timed, once per
@@ -30,11 +31,11 @@ import tokamax
 from tokamax._src import benchmarking
 from tokamax.ops.normalization import triton as tr
 
-SHAPES = {(8192, 8192): ((1, 2, 4), (4, 8, 16)), (65536, 1024): ((4, 8, 16), (4, 8, 16)),
+SHAPES = {(8192, 8192): ((1, 2, 4), (4, 8, 16)), (65536, 1024): ((2, 4, 8, 16), (4, 8, 16)),
           # Not run by default (SHAPES argument): other rows and features.
           (1024, 8192): ((1, 2), (4, 8, 16)), (32768, 8192): ((1, 2), (4, 8, 16)),
           (4096, 16384): ((1, 2), (8, 16)), (16384, 4096): ((1, 2, 4), (4, 8, 16)),
-          (32768, 2048): ((2, 4, 8), (4, 8, 16)), (131072, 512): ((8, 16, 32), (4, 8, 16))}
+          (32768, 2048): ((1, 2, 4, 8), (4, 8, 16)), (131072, 512): ((4, 8, 16, 32), (4, 8, 16))}
 DEFAULT_SHAPES = "8192x8192,65536x1024"
 LOOPS = [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (8, 2)]  # (programs_per_sm, stages)
 # 3, 5, 6: the tiles spread differently over the SMs. 65536x1024 in 4-row
@@ -65,18 +66,20 @@ def main(out_dir=".", flag="", shapes=""):
 
   default = tr.LOOP_PREFETCH
   param_dtype = jnp.dtype(os.environ.get("PARAM_DTYPE", "float32"))
+  x_dtype = jnp.dtype(os.environ.get("X_DTYPE", "bfloat16"))
 
   def only(env, values, key=lambda v: v):
     wanted = os.environ.get(env)
     return [v for v in values if not wanted or str(key(v)) in wanted.split(",")]
 
   loops, depths = only("PPS", LOOPS, key=lambda l: l[0]), only("DEPTHS", DEPTHS)
+  dtypes = dict(param_dtype=param_dtype.name, x_dtype=x_dtype.name)
   for (r, f), (blocks, warps) in SHAPES.items():
     if f"{r}x{f}" not in (shapes or DEFAULT_SHAPES).split(","):
       continue
-    x = jax.ShapeDtypeStruct((r, f), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((r, f), x_dtype)
     p = jax.ShapeDtypeStruct((f,), param_dtype)
-    tb = lambda ms: 2 * r * f * 2 / ms / 1e9
+    tb = lambda ms: 2 * r * f * x_dtype.itemsize / ms / 1e9
     for name, fn in (
         ("xla", lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="xla")),
         ("triton shipped", lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton")),
@@ -87,7 +90,7 @@ def main(out_dir=".", flag="", shapes=""):
       except NotImplementedError as e:  # "mosaic" off Hopper
         record(shape=f"{r}x{f}", impl=name, error=str(e)[:200])
         continue
-      record(shape=f"{r}x{f}", impl=name, ms=ms, tbps=tb(ms), param_dtype=param_dtype.name)
+      record(shape=f"{r}x{f}", impl=name, ms=ms, tbps=tb(ms), **dtypes)
     if flag:
       default_value = getattr(tr, flag_name)
       for rep, value in itertools.product(range(2), values):
@@ -95,13 +98,13 @@ def main(out_dir=".", flag="", shapes=""):
         ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
                    (x, p, p))
         record(shape=f"{r}x{f}", impl=f"triton shipped {flag_name}={value!r}", rep=rep,
-               ms=ms, tbps=tb(ms), param_dtype=param_dtype.name)
+               ms=ms, tbps=tb(ms), **dtypes)
       setattr(tr, flag_name, default_value)
       continue
     for block, w, (pps, stages), prefetch in itertools.product(
-        only("BLOCKS", blocks), only("WARPS", warps), loops, depths):
+        only("BLOCKS", blocks), only("WARPS", warps), loops, sorted({0, *depths})):
       per_thread = block * f / (32 * w)
-      if not 4 <= per_thread <= 64 or (prefetch and not pps):
+      if not 4 <= per_thread <= 64 or (prefetch if not pps else prefetch not in depths):
         continue
       tr.LOOP_PREFETCH = prefetch
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w,
@@ -114,7 +117,7 @@ def main(out_dir=".", flag="", shapes=""):
         continue
       record(shape=f"{r}x{f}", block_rows=block, warps=w, programs_per_sm=pps,
              stages=stages, prefetch_depth=prefetch, ms=ms, tbps=tb(ms),
-             param_dtype=param_dtype.name,
+             **dtypes,
              **{name: getattr(tr, name) for name in swept})
     tr.LOOP_PREFETCH = default
   for name, value in swept.items():

@@ -332,10 +332,15 @@ def test_triton_config_validation():
     (16384, 4096, 2, (2, 16, 2)),
     (1, 4096, 2, (1, 16, 2)),
     (4096, 16384, 2, (1, 8, 1)),
-    (8192, 8192, 4, (1, 16, 1)),
+    (8192, 8192, 4, (2, 16, 1)),
+    (16384, 4096, 4, (1, 16, 2)),
+    (32768, 2000, 4, (1, 8, 4)),
+    (131072, 512, 4, (4, 4, 0)),
     (65536, 1024, 2, (4, 8, 8)),
     (32768, 2000, 2, (2, 8, 8)),
-    (65536, 1024, 4, (4, 8, 0)),
+    (65536, 1024, 4, (2, 16, 4)),
+    (65536, 256, 4, (16, 4, 0)),
+    (4096, 256, 2, (16, 4, 0)),
     (100, 256, 2, (16, 4, 0)),
     (132, 96, 4, (32, 4, 0)),
     (3, 77, 2, (4, 4, 0)),
@@ -344,7 +349,7 @@ def test_triton_config_validation():
 def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
   """(block_rows, warps, programs_per_sm): the forward loops over row tiles
   where the f32 scale/offset outweigh a tile of x (1-row tiles) and for
-  16-bit x at Fp = 512-16384 (measured configs)."""
+  16-bit and f32 x at Fp = 512-16384 (measured configs)."""
   h = triton_ln.heuristic_config(rows, features, itemsize)
   assert (h.block_rows, h.num_warps, h.programs_per_sm) == expected
   assert triton_ln.heuristic_config(rows, features, itemsize, backward=True).programs_per_sm == 0
@@ -479,6 +484,23 @@ def test_triton_gpu_looped_forward_bf16_params(shape, block_rows, warps, program
   # bf16 y: rounding alone leaves ~1.6e-3 (a 1 % error in scale fails).
   reference.assert_close(y, reference.layer_norm(x, scale, offset, scale_offset=1.0),
                          4e-3, "forward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, features", [
+    (dtype, f) for dtype, itemsize in ((BF16, 2), (F32, 4))
+    for f in sorted(triton_ln._LOOP_CONFIGS[itemsize])])
+def test_triton_gpu_measured_configs(dtype, features):
+  """Each measured forward config (heuristic table) at ~8M elements, with a
+  ragged last tile, vs f64."""
+  rows = 2**23 // features + 3
+  x, scale, offset, _ = make_inputs((rows, features), -1, True, True, dtype, features)
+  config = triton_ln.heuristic_config(rows, features, jnp.dtype(dtype).itemsize)
+  assert config.block_rows == triton_ln._LOOP_CONFIGS[jnp.dtype(dtype).itemsize][features][0]
+  op = triton_ln.TritonLayerNorm(config=config)
+  y = jax.jit(op)(x, scale, offset)
+  fwd_tol, _ = reference.TOLERANCE[jnp.dtype(dtype)]
+  reference.assert_close(y, reference.layer_norm(x, scale, offset), fwd_tol, "forward")
 
 
 def check_large_bf16(implementation, shape, seed):

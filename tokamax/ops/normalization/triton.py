@@ -66,15 +66,23 @@ LOOP_PREFETCH = 1
 # backward keeps ~4 such tiles live).
 _TARGET_BYTES = 32 * 1024
 _VALUES_PER_THREAD = 32
-# Forward of 16-bit x ([R, F] views): (block_rows, warps, programs_per_sm)
-# by Fp, the fastest looping configs on the H200 with f32 and with bf16
-# scale/offset alike (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md
-# 2026-12-03 13:33), TB/s against the rule below (f32 / bf16 parameters):
-# 512 3.82 / 3.83 against 3.74 / 3.78; 1024 3.79 / 3.82 against 3.58 / 3.66;
-# 2048 3.74 / 3.75 against 3.48 / 3.72; 4096 3.62 / 3.67 against 3.24 / 3.23;
-# 8192 3.48-3.70 against 3.28-3.40; 16384 3.42 / 3.50 against 2.90 / 3.48.
-_LOOP_CONFIGS_16BIT = {512: (8, 8, 8), 1024: (4, 8, 8), 2048: (2, 8, 8), 4096: (2, 16, 2),
-                       8192: (1, 4, 2), 16384: (1, 8, 1)}
+# Forward of [R, F] views: (block_rows, warps, programs_per_sm) by the
+# itemsize of x and Fp, the fastest configs on the H200
+# (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md 2026-12-03).
+# 16-bit x (13:33 sweeps; alike with f32 and bf16 scale/offset), TB/s against
+# the rule below (f32 / bf16 parameters): 512 3.82 / 3.83 against 3.74 /
+# 3.78; 1024 3.79 / 3.82 against 3.58 / 3.66; 2048 3.74 / 3.75 against 3.48 /
+# 3.72; 4096 3.62 / 3.67 against 3.24 / 3.23; 8192 3.48-3.70 against
+# 3.28-3.40; 16384 3.42 / 3.50 against 2.90 / 3.48.
+# f32 x (15:40 sweeps, three runs, f32 parameters), medians against the rule:
+# 512 3.92 against 3.90; 1024 3.90 against 3.87; 2048 3.92 against 3.83;
+# 4096 3.90 against 3.35; 8192 3.81 against 3.72; 16384 the rule's (3.42).
+_LOOP_CONFIGS = {
+    2: {512: (8, 8, 8), 1024: (4, 8, 8), 2048: (2, 8, 8), 4096: (2, 16, 2),
+        8192: (1, 4, 2), 16384: (1, 8, 1)},
+    4: {512: (4, 4, 0), 1024: (2, 16, 4), 2048: (1, 8, 4), 4096: (1, 16, 2),
+        8192: (2, 16, 1), 16384: (1, 16, 1)},
+}
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -122,7 +130,7 @@ def _warps_for(fp: int) -> int:
 def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
                      backward: bool = False) -> TritonLayerNormConfig:
   """Warps by feature size; rows so a program moves ~32 KiB (see module doc);
-  measured looping configs for 16-bit x at Fp = 512-16384 (forward).
+  measured configs for 16-bit and f32 x at Fp = 512-16384 (forward).
 
   For the [pre, F, post] view: tiles of up to 32 (forward) or 16 (backward)
   columns and the fewest warps that keep <= 128 (forward) or <= 64
@@ -137,8 +145,8 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
     threads = fp * block // per_thread
     warps = 4 if threads <= 128 else 8 if threads <= 256 else 16
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
-  if itemsize == 2 and fp in _LOOP_CONFIGS_16BIT and not backward:
-    block_rows, warps, programs_per_sm = _LOOP_CONFIGS_16BIT[fp]
+  if fp in _LOOP_CONFIGS.get(itemsize, {}) and not backward:
+    block_rows, warps, programs_per_sm = _LOOP_CONFIGS[itemsize][fp]
     return TritonLayerNormConfig(
         block_rows=min(block_rows, _next_pow2(rows)), num_warps=warps,
         programs_per_sm=programs_per_sm)
@@ -152,7 +160,7 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
 
 
 def _programs_per_sm(block_rows: int, itemsize: int) -> int:
-  """Forward [R, F] outside `_LOOP_CONFIGS_16BIT`: loop (1 program per SM)
+  """Forward [R, F] outside `_LOOP_CONFIGS`: loop (1 program per SM)
   where the f32 scale and offset (8 bytes per feature) outweigh a tile of x,
   as for 1-row tiles at F = 8192 (bf16 x, 1 row, 16 warps on the H200: 3.28
   TB/s, 2 per SM 3.20, one program per tile 2.22; docs/benchmarks.md)."""
