@@ -266,8 +266,9 @@ class TestTritonInterpret(LayerNormTestBase):
     """block_rows not dividing R, F not a power of 2, >1 backward loop trip;
     a looping forward (programs_per_sm > 0) with trips past the last tile,
     loading 0-2 tiles ahead (LOOP_PREFETCH)."""
-    # With 1 "SM" and 4 warps at most 8 backward programs: 19 row blocks of
-    # 2 rows -> 3 loop trips over 7 programs (the last ones partly masked).
+    # Backward with 1 "SM" and 4 warps: at most 8 programs (programs_per_sm
+    # 0): 19 row blocks of 2 rows -> 3 loop trips over 7 programs (the last
+    # ones partly masked); 2 or 3 per "SM" caps them: 10 / 7 trips.
     # Forward with 3 programs per "SM": 7 trips over 3 programs (2 masked).
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
     monkeypatch.setattr(triton_ln, "LOOP_PREFETCH", prefetch)

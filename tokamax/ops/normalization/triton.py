@@ -92,6 +92,8 @@ class TritonLayerNormConfig:
   programs_per_sm (forward, [R, F] views): 0 launches one program per tile;
   n > 0 launches about n programs per SM that loop over the tiles, loading
   scale/offset once and the next tile while a tile is normalised.
+  Backward: at most programs_per_sm programs per SM (0: 32 // num_warps),
+  each looping over row blocks and writing one row of partial sums.
   """
 
   block_rows: pydantic.PositiveInt = 1
@@ -487,7 +489,10 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
     view = _view(x, axis, config.block_rows)
     x_shape, stat_shape = _array_shape(view)
     blocks_per_pre = pl.cdiv(view.vectors, view.block)
-    max_programs = _num_sms() * max(1, 32 // config.num_warps)
+    # Each program writes a row of dscale/doffset partial sums: more programs
+    # hide more latency but write (and jnp.sum reads) more partials.
+    per_sm = config.programs_per_sm or max(1, 32 // config.num_warps)
+    max_programs = _num_sms() * per_sm
     if view.is_3d:
       # Programs (g, c): column block c, pre indices g, g + G, ...
       work, width = view.pre, blocks_per_pre

@@ -1,0 +1,69 @@
+"""Sweeps the layer_norm "triton" backward ([R, F] views) on the GPU.
+
+Usage: [X_DTYPE=float32] [PPS=0,2] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
+x bf16 (or X_DTYPE), f32 scale and offset, the VJP alone (mode "vjp": dx,
+dscale, doffset from the saved statistics), GB/s of x and dy read + dx
+written, for every (block_rows, warps, programs_per_sm) with 4-64 values
+per thread; the shipped config ("triton shipped") and XLA in the same run.
+SHAPES: comma-separated "8192x8192,65536x1024" (default both). Writes
+layer_norm_vjp_sweep.json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import common
+import tokamax
+from tokamax._src import benchmarking
+from tokamax.ops.normalization import triton as tr
+
+SHAPES = ("8192x8192", "65536x1024", "16384x4096", "32768x2048", "131072x512", "4096x16384")
+BLOCKS = (1, 2, 4, 8, 16, 32)
+WARPS = (4, 8, 16)
+PPS = (0, 1, 2, 4)  # 0: 32 // warps programs per SM
+
+
+def _time(f, args):
+  f_std, flat = benchmarking.standardize_function(f, *args, mode="vjp")
+  return benchmarking.benchmark(f_std, flat, iterations=20).median_evaluation_time_ms
+
+
+def main(out_dir=".", shapes="8192x8192,65536x1024"):
+  x_dtype = jnp.dtype(os.environ.get("X_DTYPE", "bfloat16"))
+  pps_values = [int(v) for v in os.environ.get("PPS", ",".join(map(str, PPS))).split(",")]
+  rows = []
+
+  def record(**r):
+    rows.append(dict(r, x_dtype=x_dtype.name))
+    print(rows[-1], flush=True)
+
+  for shape in shapes.split(","):
+    r, f = map(int, shape.split("x"))
+    x = jax.ShapeDtypeStruct((r, f), x_dtype)
+    p = jax.ShapeDtypeStruct((f,), jnp.float32)
+    tb = lambda ms: 3 * r * f * x_dtype.itemsize / ms / 1e9
+    for name, impl in (("xla", "xla"), ("triton shipped", "triton")):
+      ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation=impl), (x, p, p))
+      record(shape=shape, impl=name, ms=ms, tbps=tb(ms))
+    for block, w, pps in itertools.product(BLOCKS, WARPS, pps_values):
+      if not 4 <= block * f / (32 * w) <= 64 or block > r:
+        continue
+      cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps)
+      op = tr.TritonLayerNorm(vjp=tr.TritonLayerNormVjp(config=cfg))
+      try:
+        ms = _time(lambda x, s, o: op(x, s, o), (x, p, p))
+      except Exception as e:  # a config may not compile (shared memory)
+        record(shape=shape, config=str(cfg), error=str(e)[:200])
+        continue
+      record(shape=shape, block_rows=block, warps=w, programs_per_sm=pps, ms=ms, tbps=tb(ms))
+  common.save(out_dir, "layer_norm_vjp_sweep", rows)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
