@@ -1,10 +1,11 @@
 """Sweeps the layer_norm "triton" backward ([R, F] views) on the GPU.
 
-Usage: [X_DTYPE=float32] [PPS=0,2] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
+Usage: [X_DTYPE=float32] [PPS=0,2] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
 x bf16 (or X_DTYPE), f32 scale and offset, the VJP alone (mode "vjp": dx,
 dscale, doffset from the saved statistics), GB/s of x and dy read + dx
 written, for every (block_rows, warps, programs_per_sm) with 4-64 values
-per thread; the shipped config ("triton shipped") and XLA in the same run.
+per thread (none with ONLY_SHIPPED=1); the shipped config ("triton
+shipped") and XLA in the same run.
 SHAPES: comma-separated "8192x8192,65536x1024" (default both). Writes
 layer_norm_vjp_sweep.json.
 """
@@ -51,7 +52,9 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
     for name, impl in (("xla", "xla"), ("triton shipped", "triton")):
       ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation=impl), (x, p, p))
       record(shape=shape, impl=name, ms=ms, tbps=tb(ms))
-    for block, w, pps in itertools.product(BLOCKS, WARPS, pps_values):
+    configs = () if os.environ.get("ONLY_SHIPPED") else itertools.product(
+        BLOCKS, WARPS, pps_values)
+    for block, w, pps in configs:
       if not 4 <= block * f / (32 * w) <= 64 or block > r:
         continue
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps)

@@ -435,6 +435,20 @@ def test_triton_layer_norm_takes_its_heuristic_not_the_nearest_shape(monkeypatch
         assert config != ln_triton.TritonLayerNormConfig(
             block_rows=2, num_warps=8, programs_per_sm=1)
 
+  # The backward likewise (shipped 8192^2 entry: 1 row, 16 warps).
+  grad = jax.grad(lambda x, s: jnp.sum(f(x, s).astype(jnp.float32)))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    for shape, p in (((16384, 4096), s), ((8192, 8192), s8)):
+      resolved.clear()
+      jax.eval_shape(grad, jax.ShapeDtypeStruct(shape, jnp.bfloat16), p)
+      (config,) = [c for cls, c in resolved if cls is ln_triton.TritonLayerNormVjp]
+      shipped = ln_triton.TritonLayerNormConfig(block_rows=1, num_warps=16)
+      if shape == (8192, 8192):
+        assert config == shipped
+      else:
+        assert config == ln_triton.heuristic_config(*shape, 2, backward=True)
+        assert config != shipped
+
 
 def test_vmap_levels_are_part_of_the_key_and_tuned(resolved):
   qs = jax.random.normal(jax.random.key(3), (3, 2, 24, 2, 16))

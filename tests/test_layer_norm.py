@@ -353,15 +353,44 @@ def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
   16-bit and f32 x at Fp = 512-16384 (measured configs)."""
   h = triton_ln.heuristic_config(rows, features, itemsize)
   assert (h.block_rows, h.num_warps, h.programs_per_sm) == expected
-  assert triton_ln.heuristic_config(rows, features, itemsize, backward=True).programs_per_sm == 0
   space = triton_ln.search_space(rows, features, itemsize)
   assert h in space
   assert all(c.block_rows <= max(1, 2 * rows) for c in space)
   assert {c.programs_per_sm for c in space} == {0, 1, 2, 4, 8}
-  assert {c.programs_per_sm for c in triton_ln.search_space(
-      rows, features, itemsize, backward=True)} == {0}
+  hb = triton_ln.heuristic_config(rows, features, itemsize, backward=True)
+  space_b = triton_ln.search_space(rows, features, itemsize, backward=True)
+  assert hb in space_b
+  assert {c.programs_per_sm for c in space_b} == {0, 1, 2, 4}
   if rows >= 64:
     assert len(space) >= 3
+
+
+@pytest.mark.parametrize("rows, features, itemsize, expected", [
+    (8192, 8192, 2, (1, 8, 1)),
+    (32768, 2048, 2, (1, 8, 0)),
+    (131072, 512, 2, (4, 4, 4)),
+    (65536, 1000, 4, (2, 8, 0)),
+    (4096, 16384, 4, (1, 16, 0)),
+    (100, 256, 2, (16, 4, 0)),
+])
+def test_triton_backward_heuristics(rows, features, itemsize, expected):
+  """(block_rows, warps, programs_per_sm) of the [R, F] backward: measured
+  configs at Fp = 512-16384, the rule elsewhere."""
+  h = triton_ln.heuristic_config(rows, features, itemsize, backward=True)
+  assert (h.block_rows, h.num_warps, h.programs_per_sm) == expected
+
+
+def test_triton_backward_preference():
+  """implementation=None takes the XLA VJP where the Triton one is slower:
+  [pre, F, post] views and f32 x above 8192 features."""
+  vjp = triton_ln.TritonLayerNormVjp()
+  def bind(shape, dtype, axis=-1):
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    return triton_ln.TritonLayerNorm().bind(x, None, None, axis=axis)
+  assert vjp.preferred(bind((64, 8192), F32))
+  assert vjp.preferred(bind((64, 16384), BF16))
+  assert not vjp.preferred(bind((64, 16384), F32))
+  assert not vjp.preferred(bind((4, 64, 32), BF16, axis=1))
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -492,16 +521,27 @@ def test_triton_gpu_looped_forward_bf16_params(shape, block_rows, warps, program
     (dtype, f) for dtype, itemsize in ((BF16, 2), (F32, 4))
     for f in sorted(triton_ln._LOOP_CONFIGS[itemsize])])
 def test_triton_gpu_measured_configs(dtype, features):
-  """Each measured forward config (heuristic table) at ~8M elements, with a
-  ragged last tile, vs f64."""
+  """Each measured config (forward and backward tables) at ~8M elements,
+  with a ragged last tile, vs f64: y and every gradient."""
   rows = 2**23 // features + 3
-  x, scale, offset, _ = make_inputs((rows, features), -1, True, True, dtype, features)
-  config = triton_ln.heuristic_config(rows, features, jnp.dtype(dtype).itemsize)
-  assert config.block_rows == triton_ln._LOOP_CONFIGS[jnp.dtype(dtype).itemsize][features][0]
-  op = triton_ln.TritonLayerNorm(config=config)
+  itemsize = jnp.dtype(dtype).itemsize
+  x, scale, offset, ct_key = make_inputs((rows, features), -1, True, True, dtype, features)
+  ct = jax.random.normal(ct_key, x.shape, F32)
+  fwd, bwd = (triton_ln.heuristic_config(rows, features, itemsize, backward=b)
+              for b in (False, True))
+  assert fwd.block_rows == triton_ln._LOOP_CONFIGS[itemsize][features][0]
+  assert bwd.programs_per_sm == triton_ln._VJP_CONFIGS[itemsize][features][2]
+  op = triton_ln.TritonLayerNorm(config=fwd, vjp=triton_ln.TritonLayerNormVjp(config=bwd))
   y = jax.jit(op)(x, scale, offset)
-  fwd_tol, _ = reference.TOLERANCE[jnp.dtype(dtype)]
+  fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
   reference.assert_close(y, reference.layer_norm(x, scale, offset), fwd_tol, "forward")
+  grads = jax.jit(jax.grad(
+      lambda *a: jnp.sum(op(*a).astype(F32) * ct), argnums=(0, 1, 2)))(x, scale, offset)
+  ref_grads = jax.grad(
+      lambda *a: jnp.sum(reference.layer_norm(*a) * ct), argnums=(0, 1, 2)
+  )(*map(reference.f64, (x, scale, offset)))
+  for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
+    reference.assert_close(g, r, grad_tol, name)
 
 
 def check_large_bf16(implementation, shape, seed):

@@ -83,6 +83,20 @@ _LOOP_CONFIGS = {
     4: {512: (4, 4, 0), 1024: (2, 16, 4), 2048: (1, 8, 4), 4096: (1, 16, 2),
         8192: (2, 16, 1), 16384: (1, 16, 1)},
 }
+# Backward of [R, F] views, the same keys (programs_per_sm: at most that many
+# programs per SM, 0 = 32 // warps). The fastest in one H200 sweep
+# (benchmarks/layer_norm_vjp_sweep.py, docs/benchmarks.md 2026-12-03 15:40),
+# GB/s of x, dy read + dx written against the rule below, 16-bit x: 512 1.91
+# against 1.86; 1024 2.08 against 1.96 (cached (4, 4, 0)); 2048 2.08 against
+# 1.82; 4096 2.01 against 1.94; 8192 1.61 against 1.55; 16384 0.94 against
+# 0.50 (XLA 0.75). f32 x: 512 2.26 against 2.18; 1024 2.14 against 1.86;
+# 2048 2.30 against 2.22; 4096 2.27 against 2.21; 8192 and 16384 the rule's.
+_VJP_CONFIGS = {
+    2: {512: (4, 4, 4), 1024: (1, 4, 0), 2048: (1, 8, 0), 4096: (1, 8, 2),
+        8192: (1, 8, 1), 16384: (1, 8, 1)},
+    4: {512: (2, 4, 0), 1024: (2, 8, 0), 2048: (1, 8, 0), 4096: (1, 16, 0),
+        8192: (1, 16, 0), 16384: (1, 16, 0)},
+}
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -132,7 +146,7 @@ def _warps_for(fp: int) -> int:
 def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
                      backward: bool = False) -> TritonLayerNormConfig:
   """Warps by feature size; rows so a program moves ~32 KiB (see module doc);
-  measured configs for 16-bit and f32 x at Fp = 512-16384 (forward).
+  measured configs for 16-bit and f32 x at Fp = 512-16384.
 
   For the [pre, F, post] view: tiles of up to 32 (forward) or 16 (backward)
   columns and the fewest warps that keep <= 128 (forward) or <= 64
@@ -147,8 +161,9 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
     threads = fp * block // per_thread
     warps = 4 if threads <= 128 else 8 if threads <= 256 else 16
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
-  if fp in _LOOP_CONFIGS.get(itemsize, {}) and not backward:
-    block_rows, warps, programs_per_sm = _LOOP_CONFIGS[itemsize][fp]
+  table = (_VJP_CONFIGS if backward else _LOOP_CONFIGS).get(itemsize, {})
+  if fp in table:
+    block_rows, warps, programs_per_sm = table[fp]
     return TritonLayerNormConfig(
         block_rows=min(block_rows, _next_pow2(rows)), num_warps=warps,
         programs_per_sm=programs_per_sm)
@@ -180,7 +195,7 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
     if block_rows < 1 or block_rows > limit:
       continue
     for warps, pps in itertools.product(
-        (4, 8, 16), (0,) if backward or post > 1 else (0, 1, 2, 4, 8)):
+        (4, 8, 16), (0,) if post > 1 else (0, 1, 2, 4) if backward else (0, 1, 2, 4, 8)):
       per_thread = block_rows * fp / (32 * warps)
       if 4 <= per_thread <= 64:
         configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps,
@@ -466,11 +481,15 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
   """dx by a Triton kernel; dscale/doffset from per-program partial sums."""
 
   implementation = "triton"
+  # Its heuristic holds configs measured per feature size (_VJP_CONFIGS).
+  borrows_nearest_config = False
 
   def preferred(self, ba):
-    # The [pre, F, post] backward is slower than XLA's on the H200
-    # (docs/benchmarks.md): implementation=None takes the XLA VJP there.
-    return _rows_features(ba)[3] == 1
+    # Slower than XLA's on the H200 (docs/benchmarks.md): the [pre, F, post]
+    # backward, and f32 x above 8192 features (0.46 against 1.09 TB/s at
+    # 4096x16384); implementation=None takes the XLA VJP there.
+    _, f, itemsize, post = _rows_features(ba)
+    return post == 1 and not (itemsize == 4 and f > 8192)
 
   def _fwd(
       self, *, residuals, out, dout, x, scale, offset, axis, epsilon,
