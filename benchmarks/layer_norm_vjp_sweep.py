@@ -1,11 +1,12 @@
 """Sweeps the layer_norm "triton" backward ([R, F] views) on the GPU.
 
-Usage: [X_DTYPE=float32] [PPS=0,2] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
+Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
 x bf16 (or X_DTYPE), f32 scale and offset, the VJP alone (mode "vjp": dx,
 dscale, doffset from the saved statistics), GB/s of x and dy read + dx
 written, for every (block_rows, warps, programs_per_sm) with 4-64 values
-per thread (none with ONLY_SHIPPED=1); the shipped config ("triton
-shipped") and XLA in the same run.
+per thread (none with ONLY_SHIPPED=1) and each VJP_PREFETCH in PREFETCH
+(default 0: blocks loaded in their own loop trip); the shipped config
+("triton shipped", per PREFETCH value) and XLA in the same run.
 SHAPES: comma-separated "8192x8192,65536x1024" (default both). Writes
 layer_norm_vjp_sweep.json.
 """
@@ -38,6 +39,8 @@ def _time(f, args):
 def main(out_dir=".", shapes="8192x8192,65536x1024"):
   x_dtype = jnp.dtype(os.environ.get("X_DTYPE", "bfloat16"))
   pps_values = [int(v) for v in os.environ.get("PPS", ",".join(map(str, PPS))).split(",")]
+  prefetch_values = [int(v) for v in os.environ.get("PREFETCH", "0").split(",")]
+  default = tr.VJP_PREFETCH
   rows = []
 
   def record(**r):
@@ -49,14 +52,19 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
     x = jax.ShapeDtypeStruct((r, f), x_dtype)
     p = jax.ShapeDtypeStruct((f,), jnp.float32)
     tb = lambda ms: 3 * r * f * x_dtype.itemsize / ms / 1e9
-    for name, impl in (("xla", "xla"), ("triton shipped", "triton")):
-      ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation=impl), (x, p, p))
-      record(shape=shape, impl=name, ms=ms, tbps=tb(ms))
+    ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="xla"), (x, p, p))
+    record(shape=shape, impl="xla", ms=ms, tbps=tb(ms))
+    for prefetch in prefetch_values:
+      tr.VJP_PREFETCH = prefetch
+      ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
+                 (x, p, p))
+      record(shape=shape, impl="triton shipped", vjp_prefetch=prefetch, ms=ms, tbps=tb(ms))
     configs = () if os.environ.get("ONLY_SHIPPED") else itertools.product(
-        BLOCKS, WARPS, pps_values)
-    for block, w, pps in configs:
+        BLOCKS, WARPS, pps_values, prefetch_values)
+    for block, w, pps, prefetch in configs:
       if not 4 <= block * f / (32 * w) <= 64 or block > r:
         continue
+      tr.VJP_PREFETCH = prefetch
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps)
       op = tr.TritonLayerNorm(vjp=tr.TritonLayerNormVjp(config=cfg))
       try:
@@ -64,7 +72,9 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
       except Exception as e:  # a config may not compile (shared memory)
         record(shape=shape, config=str(cfg), error=str(e)[:200])
         continue
-      record(shape=shape, block_rows=block, warps=w, programs_per_sm=pps, ms=ms, tbps=tb(ms))
+      record(shape=shape, block_rows=block, warps=w, programs_per_sm=pps,
+             vjp_prefetch=prefetch, ms=ms, tbps=tb(ms))
+  tr.VJP_PREFETCH = default
   common.save(out_dir, "layer_norm_vjp_sweep", rows)
 
 

@@ -223,13 +223,15 @@ class TestTritonInterpret(LayerNormTestBase):
     with triton_ln.interpret_mode():
       yield
 
-  @pytest.mark.parametrize("subtract_mean", [True, False])
+  @pytest.mark.parametrize("subtract_mean, vjp_prefetch", [(True, 0), (False, 0), (True, 1)])
   @pytest.mark.parametrize("shape, axis", [((7, 45, 37), 1), ((45, 3, 37), 0)])
   def test_non_last_axis_blocks_and_loop(self, monkeypatch, shape, axis,
-                                         subtract_mean):
+                                         subtract_mean, vjp_prefetch):
     """[pre, F, post] view: column blocks not dividing post, F not a power of
-    2, >1 backward loop trip over pre (1 "SM", 4 warps -> 8 programs)."""
+    2, >1 backward loop trip over pre (1 "SM", 4 warps -> 8 programs), the
+    backward loading 0 or 1 trips ahead (VJP_PREFETCH)."""
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
+    monkeypatch.setattr(triton_ln, "VJP_PREFETCH", vjp_prefetch)
     config = triton_ln.TritonLayerNormConfig(block_rows=8, num_warps=4)
     op = triton_ln.TritonLayerNorm(
         config=config, vjp=triton_ln.TritonLayerNormVjp(config=config)
@@ -265,13 +267,14 @@ class TestTritonInterpret(LayerNormTestBase):
                                               programs_per_sm, prefetch):
     """block_rows not dividing R, F not a power of 2, >1 backward loop trip;
     a looping forward (programs_per_sm > 0) with trips past the last tile,
-    loading 0-2 tiles ahead (LOOP_PREFETCH)."""
+    loading 0-2 tiles ahead (LOOP_PREFETCH; the backward's VJP_PREFETCH alike)."""
     # Backward with 1 "SM" and 4 warps: at most 8 programs (programs_per_sm
     # 0): 19 row blocks of 2 rows -> 3 loop trips over 7 programs (the last
     # ones partly masked); 2 or 3 per "SM" caps them: 10 / 7 trips.
     # Forward with 3 programs per "SM": 7 trips over 3 programs (2 masked).
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
     monkeypatch.setattr(triton_ln, "LOOP_PREFETCH", prefetch)
+    monkeypatch.setattr(triton_ln, "VJP_PREFETCH", prefetch)
     config = triton_ln.TritonLayerNormConfig(
         block_rows=2, num_warps=4, programs_per_sm=programs_per_sm)
     op = triton_ln.TritonLayerNorm(
@@ -426,8 +429,10 @@ LOWER_CASES = {
 }
 
 
+@pytest.mark.parametrize("vjp_prefetch", [0, 1])
 @pytest.mark.parametrize("case", sorted(LOWER_CASES))
-def test_triton_lowers_for_cuda(case):
+def test_triton_lowers_for_cuda(monkeypatch, case, vjp_prefetch):
+  monkeypatch.setattr(triton_ln, "VJP_PREFETCH", vjp_prefetch)
   shape, dtype, ws, wo, sm, *axis = LOWER_CASES[case]
   axis = axis[0] if axis else -1
   spec = lambda s, d: jax.ShapeDtypeStruct(s, d)

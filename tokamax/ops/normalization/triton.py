@@ -61,6 +61,10 @@ MAX_FEATURES = 16384
 # 3.81 at depth 1 (docs/benchmarks.md); benchmarks/layer_norm_loop_sweep.py
 # sweeps it.
 LOOP_PREFETCH = 1
+# Backward: blocks of x and dy loaded this many loop trips ahead of the one
+# differentiated (0: loaded in their own trip, the GPU-verified default;
+# not yet timed on a GPU, see docs/benchmarks.md 2026-12-03 15:40).
+VJP_PREFETCH = 0
 # Heuristic targets: bytes a forward program moves (x read + y written), and
 # f32 values per thread in one [block_rows, Fp] tile (register budget; the
 # backward keeps ~4 such tiles live).
@@ -381,18 +385,32 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
   c_id = _i32(pl.program_id(1)) if view.is_3d else None
   w = _load_param(scale_ref, view.fp, f, scale_offset) if has_scale else None
 
-  def body(k, acc):
-    acc_ds, acc_db = acc
+  def block(k):
+    """(p, v0, tile, vec_ok, mask) of loop trip k (past the end: all masked)."""
     if view.is_3d:
       p = g_id + k * num_programs
       v0 = c_id * view.block
-      tile, vec_ok, mask = view.tile(p, v0, p_ok=p < view.pre)
-    else:
-      p, v0 = None, _i32((g_id + k * num_programs) * view.block)
-      tile, vec_ok, mask = view.tile(p, v0)
+      return (p, v0, *view.tile(p, v0, p_ok=p < view.pre))
+    p, v0 = None, _i32((g_id + k * num_programs) * view.block)
+    return (p, v0, *view.tile(p, v0))
+
+  def load_x_dy(blk, dtype=None):
+    """x and dy of a block, in their dtype or widened to `dtype`."""
+    _, _, tile, _, mask = blk
+    widen = lambda v: v if dtype is None else v.astype(dtype)
+    return (widen(pltr.load(x_ref.at[tile], mask=mask, other=0.0)),
+            widen(pltr.load(dy_ref.at[tile], mask=mask, other=0.0)))
+
+  def body(k, carry):
+    (acc_ds, acc_db), ahead = carry  # ahead: x, dy of trips k .. k + VJP_PREFETCH - 1
+    p, v0, tile, vec_ok, mask = blk = block(k)
     stat = view.stat(p, v0)
-    x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-    dy = pltr.load(dy_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
+    if VJP_PREFETCH:  # Trip k + VJP_PREFETCH's loads first (past the end: masked).
+      loaded = (*ahead, load_x_dy(block(k + VJP_PREFETCH)))
+      ahead = loaded[1:]
+      x, dy = (v.astype(jnp.float32) for v in loaded[0])
+    else:
+      x, dy = load_x_dy(blk, jnp.float32)
     # Vectors out of range get rstd = 0, hence xhat = dx = 0.
     rstd = view.per_vector(pltr.load(rstd_ref.at[stat], mask=vec_ok, other=0.0))
     if subtract_mean:
@@ -412,10 +430,11 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
       acc_ds = acc_ds + jnp.sum(dy * xhat, axis=1 - fa)
     if has_offset:
       acc_db = acc_db + jnp.sum(dy, axis=1 - fa)
-    return acc_ds, acc_db
+    return (acc_ds, acc_db), ahead
 
   zeros = jnp.zeros((view.fp,), jnp.float32)
-  acc_ds, acc_db = lax.fori_loop(_i32(0), _i32(iters), body, (zeros, zeros))
+  first = tuple(load_x_dy(block(_i32(i))) for i in range(VJP_PREFETCH))
+  (acc_ds, acc_db), _ = lax.fori_loop(_i32(0), _i32(iters), body, ((zeros, zeros), first))
   row = g_id
   if view.is_3d:
     row = g_id * pl.num_programs(1) + c_id
