@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|final|ship|upstream|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|final|ship|upstream|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -198,6 +198,19 @@ if [[ $what == ln_params ]]; then
     done
   done
   [[ -n ${EXTRA:-} ]] && eval "$EXTRA"
+  exit
+fi
+if [[ $what == ln_vjp ]]; then
+  # layer_norm "triton" backward: the VJP_PREFETCH GPU tests, then the
+  # shipped configs with VJP_PREFETCH 0 and 1 (PREFETCH) at six shapes for bf16
+  # and f32 x (benchmarks/layer_norm_vjp_sweep.py, one log per dtype).
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    -m gpu tests/test_layer_norm.py -k "vjp_prefetch or measured_configs" 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
+  for dt in bfloat16 float32; do
+    X_DTYPE=$dt PREFETCH=${PREFETCH:-0,1} ONLY_SHIPPED=1 timeout ${SWEEP_S:-120} python3 benchmarks/layer_norm_vjp_sweep.py \
+      "/tmp/vjp_$dt" 8192x8192,65536x1024,16384x4096,32768x2048,131072x512,4096x16384 2>&1 \
+      | grep "tbps\|error" | tee "$OUT/vjp_$dt.log"
+  done
   exit
 fi
 if [[ $what == ln_mosaic ]]; then

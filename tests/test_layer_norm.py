@@ -549,6 +549,27 @@ def test_triton_gpu_measured_configs(dtype, features):
     reference.assert_close(g, r, grad_tol, name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("vjp_prefetch", [1, 2])
+@pytest.mark.parametrize("shape", [(8192, 8192), (65536 + 3, 1024)])
+def test_triton_gpu_vjp_prefetch(monkeypatch, shape, vjp_prefetch):
+  """The backward loading x and dy trips ahead (VJP_PREFETCH), heuristic
+  configs, at real sizes vs f64: y and every gradient."""
+  monkeypatch.setattr(triton_ln, "VJP_PREFETCH", vjp_prefetch)
+  x, scale, offset, ct_key = make_inputs(shape, -1, True, True, BF16, 10 + vjp_prefetch)
+  ct = jax.random.normal(ct_key, shape, F32)
+  op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(
+      config=triton_ln.heuristic_config(*shape, 2, backward=True)))
+  _, grad_tol = reference.TOLERANCE[jnp.dtype(BF16)]
+  grads = jax.jit(jax.grad(
+      lambda *a: jnp.sum(op(*a).astype(F32) * ct), argnums=(0, 1, 2)))(x, scale, offset)
+  ref_grads = jax.grad(
+      lambda *a: jnp.sum(reference.layer_norm(*a) * ct), argnums=(0, 1, 2)
+  )(*map(reference.f64, (x, scale, offset)))
+  for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
+    reference.assert_close(g, r, grad_tol, name)
+
+
 def check_large_bf16(implementation, shape, seed):
   """bf16 x with f32 scale/offset vs the f64 reference, forward and every
   gradient (through the saved statistics), at a benchmark size."""
