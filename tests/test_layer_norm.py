@@ -521,6 +521,20 @@ def test_triton_gpu_looped_forward_bf16_params(shape, block_rows, warps, program
                          4e-3, "forward")
 
 
+def check_against_f64(f, args, ct):
+  """f(x, scale, offset) (jitted) and its gradients vs the f64 reference,
+  with the tolerances of x's dtype; ct: the cotangent of y."""
+  fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(args[0].dtype)]
+  reference.assert_close(jax.jit(f)(*args), reference.layer_norm(*args), fwd_tol, "forward")
+  grads = jax.jit(jax.grad(
+      lambda *a: jnp.sum(f(*a).astype(F32) * ct), argnums=(0, 1, 2)))(*args)
+  ref_grads = jax.grad(
+      lambda *a: jnp.sum(reference.layer_norm(*a) * ct), argnums=(0, 1, 2)
+  )(*map(reference.f64, args))
+  for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
+    reference.assert_close(g, r, grad_tol, name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, features", [
     (dtype, f) for dtype, itemsize in ((BF16, 2), (F32, 4))
@@ -537,16 +551,7 @@ def test_triton_gpu_measured_configs(dtype, features):
   assert fwd.block_rows == triton_ln._LOOP_CONFIGS[itemsize][features][0]
   assert bwd.programs_per_sm == triton_ln._VJP_CONFIGS[itemsize][features][2]
   op = triton_ln.TritonLayerNorm(config=fwd, vjp=triton_ln.TritonLayerNormVjp(config=bwd))
-  y = jax.jit(op)(x, scale, offset)
-  fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
-  reference.assert_close(y, reference.layer_norm(x, scale, offset), fwd_tol, "forward")
-  grads = jax.jit(jax.grad(
-      lambda *a: jnp.sum(op(*a).astype(F32) * ct), argnums=(0, 1, 2)))(x, scale, offset)
-  ref_grads = jax.grad(
-      lambda *a: jnp.sum(reference.layer_norm(*a) * ct), argnums=(0, 1, 2)
-  )(*map(reference.f64, (x, scale, offset)))
-  for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
-    reference.assert_close(g, r, grad_tol, name)
+  check_against_f64(op, (x, scale, offset), ct)
 
 
 @pytest.mark.gpu
@@ -560,14 +565,7 @@ def test_triton_gpu_vjp_prefetch(monkeypatch, shape, vjp_prefetch):
   ct = jax.random.normal(ct_key, shape, F32)
   op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(
       config=triton_ln.heuristic_config(*shape, 2, backward=True)))
-  _, grad_tol = reference.TOLERANCE[jnp.dtype(BF16)]
-  grads = jax.jit(jax.grad(
-      lambda *a: jnp.sum(op(*a).astype(F32) * ct), argnums=(0, 1, 2)))(x, scale, offset)
-  ref_grads = jax.grad(
-      lambda *a: jnp.sum(reference.layer_norm(*a) * ct), argnums=(0, 1, 2)
-  )(*map(reference.f64, (x, scale, offset)))
-  for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
-    reference.assert_close(g, r, grad_tol, name)
+  check_against_f64(op, (x, scale, offset), ct)
 
 
 def check_large_bf16(implementation, shape, seed):
@@ -575,17 +573,8 @@ def check_large_bf16(implementation, shape, seed):
   gradient (through the saved statistics), at a benchmark size."""
   x, scale, offset, ct_key = make_inputs(shape, -1, True, True, BF16, seed)
   ct = jax.random.normal(ct_key, shape, F32)
-  f = lambda *a: tokamax.layer_norm(*a, implementation=implementation)
-  y = jax.jit(f)(x, scale, offset)
-  fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(BF16)]
-  reference.assert_close(y, reference.layer_norm(x, scale, offset), fwd_tol, "forward")
-  grads = jax.jit(jax.grad(
-      lambda *a: jnp.sum(f(*a).astype(F32) * ct), argnums=(0, 1, 2)))(x, scale, offset)
-  ref_grads = jax.grad(
-      lambda *a: jnp.sum(reference.layer_norm(*a) * ct), argnums=(0, 1, 2)
-  )(*map(reference.f64, (x, scale, offset)))
-  for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
-    reference.assert_close(g, r, grad_tol, name)
+  check_against_f64(lambda *a: tokamax.layer_norm(*a, implementation=implementation),
+                    (x, scale, offset), ct)
 
 
 @pytest.mark.gpu
