@@ -90,7 +90,8 @@ _LOOP_CONFIGS = {
 # Backward of [R, F] views, the same keys (programs_per_sm: at most that many
 # programs per SM, 0 = 32 // warps). The fastest in one H200 sweep
 # (benchmarks/layer_norm_vjp_sweep.py, docs/benchmarks.md 2026-12-03 15:40),
-# TB/s of x, dy read + dx written against the rule below, 16-bit x: 512 1.91
+# TB/s of x, dy read + dx written against the config used before (16-bit
+# x: the nearest cached shape's; f32 x: the rule below), 16-bit x: 512 1.91
 # against 1.86; 1024 2.08 against 1.96 (cached (4, 4, 0)); 2048 2.08 against
 # 1.82; 4096 2.01 against 1.94; 8192 1.61 against 1.55; 16384 0.94 against
 # 0.50 (XLA 0.75). f32 x: 512 2.26 against 2.18; 1024 2.14 against 1.86;
