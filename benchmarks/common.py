@@ -11,6 +11,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
+from tokamax._src import benchmarking
+
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -58,6 +60,13 @@ def dense_matmul(size: int = 8192):
 def selected(label: str, words: str) -> bool:
   """Whether a shape label contains one of the comma-separated `words` ("" = all)."""
   return not words or any(w in label for w in words.split(","))
+
+
+def median_ms(f, args, mode="forward", iterations=20) -> float:
+  """Median accelerator time (cupti) of f(*args) in ms; args: arrays or
+  ShapeDtypeStructs; mode as in benchmarking.standardize_function."""
+  f_std, flat = benchmarking.standardize_function(f, *args, mode=mode)
+  return benchmarking.benchmark(f_std, flat, iterations=iterations).median_evaluation_time_ms
 
 
 def set_constants(module, assignments: str) -> dict:

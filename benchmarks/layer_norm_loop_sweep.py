@@ -28,7 +28,6 @@ import jax.numpy as jnp
 
 import common
 import tokamax
-from tokamax._src import benchmarking
 from tokamax.ops.normalization import triton as tr
 
 SHAPES = {(8192, 8192): ((1, 2, 4), (4, 8, 16)), (65536, 1024): ((2, 4, 8, 16), (4, 8, 16)),
@@ -43,11 +42,6 @@ LOOPS = [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (8, 2)]  # (pro
 # (an SM with 8 of them does 128), 5 per SM 656 programs of 25 (at most 125
 # per SM). H200: no better than 4 or 8 per SM (docs/benchmarks.md, 2026-12-02).
 DEPTHS = (0, 1, 2)  # LOOP_PREFETCH values tried for looping configs
-
-
-def _time(f, args):
-  f_std, flat = benchmarking.standardize_function(f, *args, mode="forward")
-  return benchmarking.benchmark(f_std, flat, iterations=20).median_evaluation_time_ms
 
 
 def main(out_dir=".", flag="", shapes=""):
@@ -86,7 +80,7 @@ def main(out_dir=".", flag="", shapes=""):
         ("mosaic shipped", lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="mosaic")),
         ("copy", lambda x, s, o: x + 1)):
       try:
-        ms = _time(fn, (x, p, p))
+        ms = common.median_ms(fn, (x, p, p))
       except NotImplementedError as e:  # "mosaic" off Hopper
         record(shape=f"{r}x{f}", impl=name, error=str(e)[:200])
         continue
@@ -95,7 +89,7 @@ def main(out_dir=".", flag="", shapes=""):
       default_value = getattr(tr, flag_name)
       for rep, value in itertools.product(range(2), values):
         setattr(tr, flag_name, value)
-        ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
+        ms = common.median_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
                    (x, p, p))
         record(shape=f"{r}x{f}", impl=f"triton shipped {flag_name}={value!r}", rep=rep,
                ms=ms, tbps=tb(ms), **dtypes)
@@ -111,7 +105,7 @@ def main(out_dir=".", flag="", shapes=""):
                                      programs_per_sm=pps, num_stages=stages)
       op = tr.TritonLayerNorm(config=cfg)
       try:
-        ms = _time(lambda x, s, o: op(x, s, o), (x, p, p))
+        ms = common.median_ms(lambda x, s, o: op(x, s, o), (x, p, p))
       except Exception as e:  # a config may not compile (shared memory)
         record(shape=f"{r}x{f}", config=str(cfg), error=str(e)[:200])
         continue

@@ -2,7 +2,7 @@
 
 Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
 x bf16 (or X_DTYPE), f32 scale and offset, the VJP alone (mode "vjp": dx,
-dscale, doffset from the saved statistics), GB/s of x and dy read + dx
+dscale, doffset from the saved statistics), TB/s of x and dy read + dx
 written, for every (block_rows, warps, programs_per_sm) with 4-64 values
 per thread (none with ONLY_SHIPPED=1) and each VJP_PREFETCH in PREFETCH
 (default 0: blocks loaded in their own loop trip); the shipped config
@@ -13,6 +13,7 @@ layer_norm_vjp_sweep.json.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -22,18 +23,13 @@ import jax.numpy as jnp
 
 import common
 import tokamax
-from tokamax._src import benchmarking
 from tokamax.ops.normalization import triton as tr
 
 SHAPES = ("8192x8192", "65536x1024", "16384x4096", "32768x2048", "131072x512", "4096x16384")
 BLOCKS = (1, 2, 4, 8, 16, 32)
 WARPS = (4, 8, 16)
 PPS = (0, 1, 2, 4)  # 0: 32 // warps programs per SM
-
-
-def _time(f, args):
-  f_std, flat = benchmarking.standardize_function(f, *args, mode="vjp")
-  return benchmarking.benchmark(f_std, flat, iterations=20).median_evaluation_time_ms
+_vjp_ms = functools.partial(common.median_ms, mode="vjp")
 
 
 def main(out_dir=".", shapes="8192x8192,65536x1024"):
@@ -52,11 +48,11 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
     x = jax.ShapeDtypeStruct((r, f), x_dtype)
     p = jax.ShapeDtypeStruct((f,), jnp.float32)
     tb = lambda ms: 3 * r * f * x_dtype.itemsize / ms / 1e9
-    ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="xla"), (x, p, p))
+    ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="xla"), (x, p, p))
     record(shape=shape, impl="xla", ms=ms, tbps=tb(ms))
     for prefetch in prefetch_values:
       tr.VJP_PREFETCH = prefetch
-      ms = _time(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
+      ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
                  (x, p, p))
       record(shape=shape, impl="triton shipped", vjp_prefetch=prefetch, ms=ms, tbps=tb(ms))
     configs = () if os.environ.get("ONLY_SHIPPED") else itertools.product(
@@ -68,7 +64,7 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps)
       op = tr.TritonLayerNorm(vjp=tr.TritonLayerNormVjp(config=cfg))
       try:
-        ms = _time(lambda x, s, o: op(x, s, o), (x, p, p))
+        ms = _vjp_ms(lambda x, s, o: op(x, s, o), (x, p, p))
       except Exception as e:  # a config may not compile (shared memory)
         record(shape=shape, config=str(cfg), error=str(e)[:200])
         continue

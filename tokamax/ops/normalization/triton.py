@@ -482,6 +482,11 @@ class _TritonLayerNormMixin:
   """Support checks, config and search space shared by forward and VJP."""
 
   config_cls = TritonLayerNormConfig
+  # The heuristics hold configs measured per feature size (_LOOP_CONFIGS,
+  # _VJP_CONFIGS); the nearest cached shape's ran slower (forward at
+  # 16384x4096, 32768x2048, 131072x512: 3.24-3.45 TB/s on the H200 against
+  # 3.62-3.82; backward up to 14 %; docs/benchmarks.md, 2026-12-03).
+  borrows_nearest_config = False
 
   def supported_on(self, device) -> bool:
     return pallas_triton.supported_on(device)
@@ -501,8 +506,6 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
   """dx by a Triton kernel; dscale/doffset from per-program partial sums."""
 
   implementation = "triton"
-  # Its heuristic holds configs measured per feature size (_VJP_CONFIGS).
-  borrows_nearest_config = False
 
   def preferred(self, ba):
     # Slower than XLA's on the H200 (docs/benchmarks.md): the [pre, F, post]
@@ -577,11 +580,6 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
   """Fused layer norm / RMS norm forward in one Triton kernel."""
 
   implementation = "triton"
-  # The heuristic holds configs measured per feature size; the nearest cached
-  # shape's (8192^2's or 65536x1024's, at 16384x4096, 32768x2048, 131072x512)
-  # ran at 3.24-3.45 TB/s on the H200 against its 3.62-3.82
-  # (docs/benchmarks.md, 2026-12-03).
-  borrows_nearest_config = False
   vjp: op_lib.Op | None = dataclasses.field(default_factory=TritonLayerNormVjp)
 
   def _fwd(
