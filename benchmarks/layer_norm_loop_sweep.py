@@ -5,7 +5,7 @@ Usage: [X_DTYPE=float32] [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=4,8] [PPS=1,
 x bf16 (or X_DTYPE) 8192x8192 and 65536x1024, scale and offset f32 (or PARAM_DTYPE),
 forward only, TB/s of
 x read + y written: the shipped configs (implementation="triton"; "mosaic" as a peer), one
-program per tile, and programs looping over tiles (LOOP_PREFETCH in
+program per tile, and programs looping over tiles (config prefetch in
 DEPTHS: tiles loaded that many trips ahead of the one normalised; one
 program per tile (PPS 0) runs whatever DEPTHS);
 XLA and a copy (x + 1) in the same run. Writes layer_norm_loop_sweep.json.
@@ -41,7 +41,7 @@ LOOPS = [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (8, 2)]  # (pro
 # tiles is 16384 tiles, 124.1 per SM: 8 per SM gives 1024 programs of 16 tiles
 # (an SM with 8 of them does 128), 5 per SM 656 programs of 25 (at most 125
 # per SM). H200: no better than 4 or 8 per SM (docs/benchmarks.md, 2026-12-02).
-DEPTHS = (0, 1, 2)  # LOOP_PREFETCH values tried for looping configs
+DEPTHS = (0, 1, 2)  # prefetch depths tried for looping configs (DEPTHS=...: any)
 
 
 def main(out_dir=".", flag="", shapes=""):
@@ -58,7 +58,6 @@ def main(out_dir=".", flag="", shapes=""):
     rows.append(r)
     print(r, flush=True)
 
-  default = tr.LOOP_PREFETCH
   param_dtype = jnp.dtype(os.environ.get("PARAM_DTYPE", "float32"))
   x_dtype = jnp.dtype(os.environ.get("X_DTYPE", "bfloat16"))
 
@@ -66,7 +65,8 @@ def main(out_dir=".", flag="", shapes=""):
     wanted = os.environ.get(env)
     return [v for v in values if not wanted or str(key(v)) in wanted.split(",")]
 
-  loops, depths = only("PPS", LOOPS, key=lambda l: l[0]), only("DEPTHS", DEPTHS)
+  loops = only("PPS", LOOPS, key=lambda l: l[0])
+  depths = [int(d) for d in os.environ.get("DEPTHS", ",".join(map(str, DEPTHS))).split(",")]
   dtypes = dict(param_dtype=param_dtype.name, x_dtype=x_dtype.name)
   for (r, f), (blocks, warps) in SHAPES.items():
     if f"{r}x{f}" not in (shapes or DEFAULT_SHAPES).split(","):
@@ -100,9 +100,8 @@ def main(out_dir=".", flag="", shapes=""):
       per_thread = block * f / (32 * w)
       if not 4 <= per_thread <= 64 or (prefetch if not pps else prefetch not in depths):
         continue
-      tr.LOOP_PREFETCH = prefetch
-      cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w,
-                                     programs_per_sm=pps, num_stages=stages)
+      cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps,
+                                     num_stages=stages, prefetch=prefetch)
       op = tr.TritonLayerNorm(config=cfg)
       try:
         ms = common.median_ms(lambda x, s, o: op(x, s, o), (x, p, p))
@@ -113,7 +112,6 @@ def main(out_dir=".", flag="", shapes=""):
              stages=stages, prefetch_depth=prefetch, ms=ms, tbps=tb(ms),
              **dtypes,
              **{name: getattr(tr, name) for name in swept})
-    tr.LOOP_PREFETCH = default
   for name, value in swept.items():
     setattr(tr, name, value)
   common.save(out_dir, "layer_norm_loop_sweep", rows)

@@ -3,10 +3,10 @@
 Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
 x bf16 (or X_DTYPE), f32 scale and offset, the VJP alone (mode "vjp": dx,
 dscale, doffset from the saved statistics), TB/s of x and dy read + dx
-written, for every (block_rows, warps, programs_per_sm) with 4-64 values
-per thread (none with ONLY_SHIPPED=1) and each VJP_PREFETCH in PREFETCH
-(default 0: blocks loaded in their own loop trip); the shipped config
-("triton shipped", per PREFETCH value) and XLA in the same run.
+written, for every (block_rows, warps, programs_per_sm, prefetch) with 4-64
+values per thread and prefetch in PREFETCH (default 0,1: blocks loaded 0 or
+1 loop trips ahead) (none with ONLY_SHIPPED=1); the shipped config ("triton
+shipped": heuristic or shipped cache entry) and XLA in the same run.
 SHAPES: comma-separated "8192x8192,65536x1024" (default both). Writes
 layer_norm_vjp_sweep.json.
 """
@@ -35,8 +35,7 @@ _vjp_ms = functools.partial(common.median_ms, mode="vjp")
 def main(out_dir=".", shapes="8192x8192,65536x1024"):
   x_dtype = jnp.dtype(os.environ.get("X_DTYPE", "bfloat16"))
   pps_values = [int(v) for v in os.environ.get("PPS", ",".join(map(str, PPS))).split(",")]
-  prefetch_values = [int(v) for v in os.environ.get("PREFETCH", "0").split(",")]
-  default = tr.VJP_PREFETCH
+  prefetch_values = [int(v) for v in os.environ.get("PREFETCH", "0,1").split(",")]
   rows = []
 
   def record(**r):
@@ -50,18 +49,16 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
     tb = lambda ms: 3 * r * f * x_dtype.itemsize / ms / 1e9
     ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="xla"), (x, p, p))
     record(shape=shape, impl="xla", ms=ms, tbps=tb(ms))
-    for prefetch in prefetch_values:
-      tr.VJP_PREFETCH = prefetch
-      ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
-                 (x, p, p))
-      record(shape=shape, impl="triton shipped", vjp_prefetch=prefetch, ms=ms, tbps=tb(ms))
+    ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
+               (x, p, p))
+    record(shape=shape, impl="triton shipped", ms=ms, tbps=tb(ms))
     configs = () if os.environ.get("ONLY_SHIPPED") else itertools.product(
         BLOCKS, WARPS, pps_values, prefetch_values)
     for block, w, pps, prefetch in configs:
       if not 4 <= block * f / (32 * w) <= 64 or block > r:
         continue
-      tr.VJP_PREFETCH = prefetch
-      cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps)
+      cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps,
+                                     prefetch=prefetch)
       op = tr.TritonLayerNorm(vjp=tr.TritonLayerNormVjp(config=cfg))
       try:
         ms = _vjp_ms(lambda x, s, o: op(x, s, o), (x, p, p))
@@ -70,7 +67,6 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
         continue
       record(shape=shape, block_rows=block, warps=w, programs_per_sm=pps,
              vjp_prefetch=prefetch, ms=ms, tbps=tb(ms))
-  tr.VJP_PREFETCH = default
   common.save(out_dir, "layer_norm_vjp_sweep", rows)
 
 

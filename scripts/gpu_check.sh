@@ -201,16 +201,20 @@ if [[ $what == ln_params ]]; then
   exit
 fi
 if [[ $what == ln_vjp ]]; then
-  # layer_norm "triton" backward: the VJP_PREFETCH GPU tests, then the
-  # shipped configs with VJP_PREFETCH 0 and 1 (PREFETCH) at six shapes for bf16
-  # and f32 x (benchmarks/layer_norm_vjp_sweep.py, one log per dtype).
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider \
-    -m gpu tests/test_layer_norm.py -k "vjp_prefetch or measured_configs" 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
+  # layer_norm "triton" backward: the layer_norm GPU tests (prefetch
+  # included), the autotuning and dispatch tests, then the shipped configs
+  # at six shapes for bf16 and f32 x (benchmarks/layer_norm_vjp_sweep.py, one
+  # log per dtype) and benchmarks/layer_norm.py (forward+backward vs XLA).
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 200 python3 -m pytest -q -n 14 -p no:cacheprovider \
+    -rfE --tb=short -m gpu tests/test_layer_norm.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 120 python3 -m pytest -q -n 8 -p no:cacheprovider \
+    -rfE --tb=short tests/test_autotuning.py tests/test_dispatch.py 2>&1 | tail -5 | tee -a "$OUT/gpu_tests.log"
   for dt in bfloat16 float32; do
-    X_DTYPE=$dt PREFETCH=${PREFETCH:-0,1} ONLY_SHIPPED=1 timeout ${SWEEP_S:-120} python3 benchmarks/layer_norm_vjp_sweep.py \
-      "/tmp/vjp_$dt" 8192x8192,65536x1024,16384x4096,32768x2048,131072x512,4096x16384 2>&1 \
+    X_DTYPE=$dt ONLY_SHIPPED=1 timeout ${SWEEP_S:-90} python3 benchmarks/layer_norm_vjp_sweep.py \
+      "$OUT/vjp_$dt" 8192x8192,65536x1024,16384x4096,32768x2048,131072x512,4096x16384 2>&1 \
       | grep "tbps\|error" | tee "$OUT/vjp_$dt.log"
   done
+  timeout 150 python3 benchmarks/layer_norm.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/ln_bench.log" | tail -30
   exit
 fi
 if [[ $what == ln_mosaic ]]; then

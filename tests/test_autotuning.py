@@ -358,7 +358,8 @@ def test_shipped_h200_configs_load_and_apply_when_cross_compiling(monkeypatch, r
   with tokamax.config.cross_compile("NVIDIA H200"):
     jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), x, p, p)
   (vjp_config,) = [c for cls, c in resolved if cls is ln_triton.TritonLayerNormVjp]
-  assert vjp_config == ln_triton.TritonLayerNormConfig(block_rows=4, num_warps=4)
+  assert vjp_config == ln_triton.TritonLayerNormConfig(
+      block_rows=2, num_warps=4, programs_per_sm=4, prefetch=1)
   vjp_op = ln_triton.TritonLayerNormVjp()
   assert vjp_config != vjp_op._get_heuristics_config(ln_triton.TritonLayerNorm().bind(x, p, p))
 
@@ -421,6 +422,7 @@ def test_triton_layer_norm_takes_its_heuristic_not_the_nearest_shape(monkeypatch
   monkeypatch.setattr(autotuning, "_SHIPPED_DIR", ROOT / "tokamax" / "data" / "autotuning")
   s = jax.ShapeDtypeStruct((4096,), jnp.float32)
   s8 = jax.ShapeDtypeStruct((8192,), jnp.float32)
+  s2 = jax.ShapeDtypeStruct((2048,), jnp.float32)
   f = lambda x, s: tokamax.layer_norm(x, s, s, implementation="triton")
   with tokamax.config.cross_compile("NVIDIA H200"):
     for shape, p in (((16384, 4096), s), ((8192, 8192), s8)):
@@ -435,15 +437,18 @@ def test_triton_layer_norm_takes_its_heuristic_not_the_nearest_shape(monkeypatch
         assert config != ln_triton.TritonLayerNormConfig(
             block_rows=2, num_warps=8, programs_per_sm=1)
 
-  # The backward likewise (shipped 8192^2 entry: 1 row, 16 warps).
+  # The backward likewise (shipped 65536x1024 entry: 2 rows, 4 warps, 4 per
+  # SM, prefetch 1; the nearest shape of 32768x2048).
   grad = jax.grad(lambda x, s: jnp.sum(f(x, s).astype(jnp.float32)))
+  s1 = jax.ShapeDtypeStruct((1024,), jnp.float32)
   with tokamax.config.cross_compile("NVIDIA H200"):
-    for shape, p in (((16384, 4096), s), ((8192, 8192), s8)):
+    for shape, p in (((32768, 2048), s2), ((65536, 1024), s1)):
       resolved.clear()
       jax.eval_shape(grad, jax.ShapeDtypeStruct(shape, jnp.bfloat16), p)
       (config,) = [c for cls, c in resolved if cls is ln_triton.TritonLayerNormVjp]
-      shipped = ln_triton.TritonLayerNormConfig(block_rows=1, num_warps=16)
-      if shape == (8192, 8192):
+      shipped = ln_triton.TritonLayerNormConfig(
+          block_rows=2, num_warps=4, programs_per_sm=4, prefetch=1)
+      if shape == (65536, 1024):
         assert config == shipped
       else:
         assert config == ln_triton.heuristic_config(*shape, 2, backward=True)

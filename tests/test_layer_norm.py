@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hypothesis
 import hypothesis.strategies as st
@@ -229,12 +230,12 @@ class TestTritonInterpret(LayerNormTestBase):
                                          subtract_mean, vjp_prefetch):
     """[pre, F, post] view: column blocks not dividing post, F not a power of
     2, >1 backward loop trip over pre (1 "SM", 4 warps -> 8 programs), the
-    backward loading 0 or 1 trips ahead (VJP_PREFETCH)."""
+    backward loading 0 or 1 trips ahead (config.prefetch)."""
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
-    monkeypatch.setattr(triton_ln, "VJP_PREFETCH", vjp_prefetch)
     config = triton_ln.TritonLayerNormConfig(block_rows=8, num_warps=4)
     op = triton_ln.TritonLayerNorm(
-        config=config, vjp=triton_ln.TritonLayerNormVjp(config=config)
+        config=config, vjp=triton_ln.TritonLayerNormVjp(
+            config=dataclasses.replace(config, prefetch=vjp_prefetch))
     )
     x, scale, offset, ct_key = make_inputs(shape, axis, True, True, F32, 5)
     ct = jax.random.normal(ct_key, x.shape, F32)
@@ -267,16 +268,14 @@ class TestTritonInterpret(LayerNormTestBase):
                                               programs_per_sm, prefetch):
     """block_rows not dividing R, F not a power of 2, >1 backward loop trip;
     a looping forward (programs_per_sm > 0) with trips past the last tile,
-    loading 0-2 tiles ahead (LOOP_PREFETCH; the backward's VJP_PREFETCH alike)."""
+    loading 0-2 tiles ahead (config.prefetch, forward and backward)."""
     # Backward with 1 "SM" and 4 warps: at most 8 programs (programs_per_sm
     # 0): 19 row blocks of 2 rows -> 3 loop trips over 7 programs (the last
     # ones partly masked); 2 or 3 per "SM" caps them: 10 / 7 trips.
     # Forward with 3 programs per "SM": 7 trips over 3 programs (2 masked).
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
-    monkeypatch.setattr(triton_ln, "LOOP_PREFETCH", prefetch)
-    monkeypatch.setattr(triton_ln, "VJP_PREFETCH", prefetch)
     config = triton_ln.TritonLayerNormConfig(
-        block_rows=2, num_warps=4, programs_per_sm=programs_per_sm)
+        block_rows=2, num_warps=4, programs_per_sm=programs_per_sm, prefetch=prefetch)
     op = triton_ln.TritonLayerNorm(
         config=config, vjp=triton_ln.TritonLayerNormVjp(config=config)
     )
@@ -369,18 +368,24 @@ def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
 
 
 @pytest.mark.parametrize("rows, features, itemsize, expected", [
-    (8192, 8192, 2, (1, 8, 1)),
-    (32768, 2048, 2, (1, 8, 0)),
-    (131072, 512, 2, (4, 4, 4)),
-    (65536, 1000, 4, (2, 8, 0)),
-    (4096, 16384, 4, (1, 16, 0)),
-    (100, 256, 2, (16, 4, 0)),
+    (8192, 8192, 2, (1, 16, 1, 1)),
+    (8192, 8192, 4, (1, 8, 1, 1)),
+    (65536, 1024, 2, (1, 4, 0, 0)),
+    (32768, 2048, 2, (1, 8, 0, 0)),
+    (131072, 512, 2, (4, 4, 4, 0)),
+    (65536, 1000, 4, (2, 8, 0, 0)),
+    (4096, 16384, 4, (1, 16, 0, 0)),
+    (100, 256, 2, (16, 4, 0, 0)),
 ])
 def test_triton_backward_heuristics(rows, features, itemsize, expected):
-  """(block_rows, warps, programs_per_sm) of the [R, F] backward: measured
-  configs at Fp = 512-16384, the rule elsewhere."""
+  """(block_rows, warps, programs_per_sm, prefetch) of the [R, F] backward:
+  measured configs at Fp = 512-16384, the rule elsewhere; its search space
+  tries prefetch 0 and 1."""
   h = triton_ln.heuristic_config(rows, features, itemsize, backward=True)
-  assert (h.block_rows, h.num_warps, h.programs_per_sm) == expected
+  assert (h.block_rows, h.num_warps, h.programs_per_sm, h.prefetch) == expected
+  space = triton_ln.search_space(rows, features, itemsize, backward=True)
+  assert h in space and {c.prefetch for c in space} == {0, 1}
+  assert triton_ln.heuristic_config(rows, features, itemsize).prefetch is None
 
 
 def test_triton_backward_preference():
@@ -429,9 +434,13 @@ LOWER_CASES = {
 }
 
 
-@pytest.mark.parametrize("vjp_prefetch", [0, 1])
-@pytest.mark.parametrize("case", sorted(LOWER_CASES))
+@pytest.mark.parametrize("case, vjp_prefetch", [
+    (case, prefetch) for case in sorted(LOWER_CASES)
+    for prefetch in ((0, 1) if len(LOWER_CASES[case]) > 5 else (0,))])
 def test_triton_lowers_for_cuda(monkeypatch, case, vjp_prefetch):
+  """Forward and gradient lower for an H200 with the heuristic configs (the
+  [R, F] backward's prefetch is in its config); the [pre, F, post] backward
+  with VJP_PREFETCH, its default, 0 and 1."""
   monkeypatch.setattr(triton_ln, "VJP_PREFETCH", vjp_prefetch)
   shape, dtype, ws, wo, sm, *axis = LOWER_CASES[case]
   axis = axis[0] if axis else -1
@@ -550,6 +559,7 @@ def test_triton_gpu_measured_configs(dtype, features):
               for b in (False, True))
   assert fwd.block_rows == triton_ln._LOOP_CONFIGS[itemsize][features][0]
   assert bwd.programs_per_sm == triton_ln._VJP_CONFIGS[itemsize][features][2]
+  assert bwd.prefetch == (*triton_ln._VJP_CONFIGS[itemsize][features], 0)[3]
   op = triton_ln.TritonLayerNorm(config=fwd, vjp=triton_ln.TritonLayerNormVjp(config=bwd))
   check_against_f64(op, (x, scale, offset), ct)
 
@@ -557,14 +567,14 @@ def test_triton_gpu_measured_configs(dtype, features):
 @pytest.mark.gpu
 @pytest.mark.parametrize("vjp_prefetch", [1, 2])
 @pytest.mark.parametrize("shape", [(8192, 8192), (65536 + 3, 1024)])
-def test_triton_gpu_vjp_prefetch(monkeypatch, shape, vjp_prefetch):
-  """The backward loading x and dy trips ahead (VJP_PREFETCH), heuristic
-  configs, at real sizes vs f64: y and every gradient."""
-  monkeypatch.setattr(triton_ln, "VJP_PREFETCH", vjp_prefetch)
+def test_triton_gpu_vjp_prefetch(shape, vjp_prefetch):
+  """The backward loading x and dy 1 or 2 trips ahead (config.prefetch),
+  otherwise the heuristic config, at real sizes vs f64: y and every gradient."""
   x, scale, offset, ct_key = make_inputs(shape, -1, True, True, BF16, 10 + vjp_prefetch)
   ct = jax.random.normal(ct_key, shape, F32)
   op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(
-      config=triton_ln.heuristic_config(*shape, 2, backward=True)))
+      config=dataclasses.replace(triton_ln.heuristic_config(*shape, 2, backward=True),
+                                 prefetch=vjp_prefetch)))
   check_against_f64(op, (x, scale, offset), ct)
 
 

@@ -55,15 +55,15 @@ _i32 = pallas_triton.i32
 
 
 MAX_FEATURES = 16384
-# Looping forward: tiles loaded this many trips ahead of the one normalised
-# (so depth + 1 tiles in flight per program; num_stages does not make Triton
+# Loop trips loaded ahead when a config leaves `prefetch` None. Looping
+# forward: tiles loaded this many trips ahead of the one normalised (so
+# depth + 1 tiles in flight per program; num_stages does not make Triton
 # pipeline these loads). H200: 8192^2 3.24 -> 3.48 TB/s, 65536x1024 3.67 ->
 # 3.81 at depth 1 (docs/benchmarks.md); benchmarks/layer_norm_loop_sweep.py
-# sweeps it.
+# sweeps it. Backward: blocks of x and dy loaded this many trips ahead of the
+# one differentiated; 0 by default, 1 in the measured configs where it is
+# faster (F = 8192; docs/benchmarks.md 2026-12-03 18:24).
 LOOP_PREFETCH = 1
-# Backward: blocks of x and dy loaded this many loop trips ahead of the one
-# differentiated (0: loaded in their own trip, the GPU-verified default;
-# not yet timed on a GPU, see docs/benchmarks.md 2026-12-03 15:40).
 VJP_PREFETCH = 0
 # Heuristic targets: bytes a forward program moves (x read + y written), and
 # f32 values per thread in one [block_rows, Fp] tile (register budget; the
@@ -87,20 +87,23 @@ _LOOP_CONFIGS = {
     4: {512: (4, 4, 0), 1024: (2, 16, 4), 2048: (1, 8, 4), 4096: (1, 16, 2),
         8192: (2, 16, 1), 16384: (1, 16, 1)},
 }
-# Backward of [R, F] views, the same keys (programs_per_sm: at most that many
-# programs per SM, 0 = 32 // warps). The fastest in one H200 sweep
-# (benchmarks/layer_norm_vjp_sweep.py, docs/benchmarks.md 2026-12-03 15:40),
-# TB/s of x, dy read + dx written against the config used before (16-bit
-# x: the nearest cached shape's; f32 x: the rule below), 16-bit x: 512 1.91
-# against 1.86; 1024 2.08 against 1.96 (cached (4, 4, 0)); 2048 2.08 against
-# 1.82; 4096 2.01 against 1.94; 8192 1.61 against 1.55; 16384 0.94 against
-# 0.50 (XLA 0.75). f32 x: 512 2.26 against 2.18; 1024 2.14 against 1.86;
-# 2048 2.30 against 2.22; 4096 2.27 against 2.21; 8192 and 16384 the rule's.
+# Backward of [R, F] views, the same keys, (block_rows, warps,
+# programs_per_sm[, prefetch]) (programs_per_sm: at most that many programs
+# per SM, 0 = 32 // warps; prefetch 0 unless given). The fastest in H200
+# sweeps (benchmarks/layer_norm_vjp_sweep.py, docs/benchmarks.md 2026-12-03
+# 15:40 and 18:24), TB/s of x, dy read + dx written against the config used
+# before (16-bit x: the nearest cached shape's; f32 x: the rule below),
+# 16-bit x: 512 1.91 against 1.86; 1024 2.08 against 1.96 (cached (4, 4, 0);
+# 65536x1024 has a shipped entry, (2, 4, 4, 1) 2.13);
+# 2048 2.08 against 1.82; 4096 2.01 against 1.94; 8192 1.96 against 1.55
+# (cached (1, 16, 0)); 16384 0.94-1.02 against 0.50 (XLA 0.75). f32 x: 512
+# 2.26 against 2.18; 1024 2.14 against 1.86; 2048 2.30 against 2.22; 4096
+# 2.27 against 2.21; 8192 2.18 against 1.94; 16384 the rule's.
 _VJP_CONFIGS = {
     2: {512: (4, 4, 4), 1024: (1, 4, 0), 2048: (1, 8, 0), 4096: (1, 8, 2),
-        8192: (1, 8, 1), 16384: (1, 8, 1)},
+        8192: (1, 16, 1, 1), 16384: (1, 8, 1)},
     4: {512: (2, 4, 0), 1024: (2, 8, 0), 2048: (1, 8, 0), 4096: (1, 16, 0),
-        8192: (1, 16, 0), 16384: (1, 16, 0)},
+        8192: (1, 8, 1, 1), 16384: (1, 16, 0)},
 }
 
 
@@ -113,12 +116,16 @@ class TritonLayerNormConfig:
   scale/offset once and the next tile while a tile is normalised.
   Backward: at most programs_per_sm programs per SM (0: 32 // num_warps),
   each looping over row blocks and writing one row of partial sums.
+  prefetch: loop trips loaded ahead (forward tiles of a looping program,
+  backward blocks of x and dy); None takes the module default
+  (LOOP_PREFETCH forward, VJP_PREFETCH backward).
   """
 
   block_rows: pydantic.PositiveInt = 1
   num_warps: pydantic.PositiveInt = 4
   programs_per_sm: pydantic.NonNegativeInt = 0
   num_stages: pydantic.PositiveInt = 2
+  prefetch: pydantic.NonNegativeInt | None = None
 
   @pydantic.field_validator("block_rows", "num_warps")
   @classmethod
@@ -168,17 +175,19 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
   table = (_VJP_CONFIGS if backward else _LOOP_CONFIGS).get(itemsize, {})
   if fp in table:
-    block_rows, warps, programs_per_sm = table[fp]
+    block_rows, warps, programs_per_sm, *prefetch = table[fp]
     return TritonLayerNormConfig(
         block_rows=min(block_rows, _next_pow2(rows)), num_warps=warps,
-        programs_per_sm=programs_per_sm)
+        programs_per_sm=programs_per_sm,
+        prefetch=(prefetch or [0])[0] if backward else None)
   warps = _warps_for(fp)
   block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
   block_rows = min(block_rows, _prev_pow2(_VALUES_PER_THREAD * 32 * warps // fp))
   block_rows = max(1, min(block_rows, _next_pow2(rows)))
   return TritonLayerNormConfig(
       block_rows=block_rows, num_warps=warps,
-      programs_per_sm=0 if backward else _programs_per_sm(block_rows, itemsize))
+      programs_per_sm=0 if backward else _programs_per_sm(block_rows, itemsize),
+      prefetch=0 if backward else None)
 
 
 def _programs_per_sm(block_rows: int, itemsize: int) -> int:
@@ -191,7 +200,8 @@ def _programs_per_sm(block_rows: int, itemsize: int) -> int:
 
 def search_space(rows: int, features: int, itemsize: int, post: int = 1,
                  backward: bool = False) -> set[TritonLayerNormConfig]:
-  """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread."""
+  """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread;
+  backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1."""
   h = heuristic_config(rows, features, itemsize, post, backward)
   fp = _next_pow2(features)
   limit = _next_pow2(post if post > 1 else rows)
@@ -199,12 +209,13 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
   for block_rows in (h.block_rows // 2, h.block_rows, 2 * h.block_rows, 4 * h.block_rows):
     if block_rows < 1 or block_rows > limit:
       continue
-    for warps, pps in itertools.product(
-        (4, 8, 16), (0,) if post > 1 else (0, 1, 2, 4) if backward else (0, 1, 2, 4, 8)):
+    for warps, pps, prefetch in itertools.product(
+        (4, 8, 16), (0,) if post > 1 else (0, 1, 2, 4) if backward else (0, 1, 2, 4, 8),
+        (h.prefetch,) if post > 1 or not backward else (0, 1)):
       per_thread = block_rows * fp / (32 * warps)
       if 4 <= per_thread <= 64:
         configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps,
-                                          programs_per_sm=pps))
+                                          programs_per_sm=pps, prefetch=prefetch))
   return configs
 
 
@@ -295,9 +306,10 @@ class _View:
 
 
 def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
-                has_scale, has_offset, save_stats, loop=None):
+                has_scale, has_offset, save_stats, loop=None, prefetch=1):
   """One program: `block` vectors of x -> y (+ mean, rstd); with `loop` =
-  (programs G, trips) ([R, F] only) the tiles g, g + G, ... of program g."""
+  (programs G, trips) ([R, F] only) the tiles g, g + G, ... of program g,
+  each loaded `prefetch` trips ahead."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
@@ -353,19 +365,20 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
 
     v0 = lambda k: (g + k * programs) * view.block
 
-    def body(k, ahead):  # ahead: tiles k .. k + LOOP_PREFETCH - 1, loaded
-      # Tile k + LOOP_PREFETCH first (past the end: masked, no traffic).
-      xs = (*ahead, load_x(None, v0(k + LOOP_PREFETCH)))
+    def body(k, ahead):  # ahead: tiles k .. k + prefetch - 1, loaded
+      # Tile k + prefetch first (past the end: masked, no traffic).
+      xs = (*ahead, load_x(None, v0(k + prefetch)))
       normalise(None, v0(k), w_bias, xs[0])
       return xs[1:]
 
-    first = tuple(load_x(None, v0(_i32(i))) for i in range(LOOP_PREFETCH))
+    first = tuple(load_x(None, v0(_i32(i))) for i in range(prefetch))
     lax.fori_loop(_i32(0), _i32(trips), body, first)
 
 
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
-                subtract_mean, has_scale, has_offset):
-  """dx and per-program partial dscale/doffset.
+                subtract_mean, has_scale, has_offset, prefetch=0):
+  """dx and per-program partial dscale/doffset; x and dy loaded `prefetch`
+  loop trips ahead of their use.
 
   [R, F]: program g handles row blocks g, g + G, ...; [pre, F, post]: program
   (g, c) handles column block c at pre indices g, g + G, .... Its partial sums
@@ -403,11 +416,11 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
             widen(pltr.load(dy_ref.at[tile], mask=mask, other=0.0)))
 
   def body(k, carry):
-    (acc_ds, acc_db), ahead = carry  # ahead: x, dy of trips k .. k + VJP_PREFETCH - 1
+    (acc_ds, acc_db), ahead = carry  # ahead: x, dy of trips k .. k + prefetch - 1
     p, v0, tile, vec_ok, mask = blk = block(k)
     stat = view.stat(p, v0)
-    if VJP_PREFETCH:  # Trip k + VJP_PREFETCH's loads first (past the end: masked).
-      loaded = (*ahead, load_x_dy(block(k + VJP_PREFETCH)))
+    if prefetch:  # Trip k + prefetch's loads first (past the end: masked).
+      loaded = (*ahead, load_x_dy(block(k + prefetch)))
       ahead = loaded[1:]
       x, dy = (v.astype(jnp.float32) for v in loaded[0])
     else:
@@ -434,7 +447,7 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
     return (acc_ds, acc_db), ahead
 
   zeros = jnp.zeros((view.fp,), jnp.float32)
-  first = tuple(load_x_dy(block(_i32(i))) for i in range(VJP_PREFETCH))
+  first = tuple(load_x_dy(block(_i32(i))) for i in range(prefetch))
   (acc_ds, acc_db), _ = lax.fori_loop(_i32(0), _i32(iters), body, ((zeros, zeros), first))
   row = g_id
   if view.is_3d:
@@ -560,6 +573,7 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
         _bwd_kernel, view=view, num_programs=num_programs, iters=iters,
         scale_offset=float(scale_offset), subtract_mean=subtract_mean,
         has_scale=scale is not None, has_offset=offset is not None,
+        prefetch=VJP_PREFETCH if config.prefetch is None else config.prefetch,
     )
     grid = (num_programs, width) if view.is_3d else (num_programs,)
     outs = _pallas_call(
@@ -614,6 +628,7 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
         scale_offset=float(scale_offset), subtract_mean=subtract_mean,
         has_scale=scale is not None, has_offset=offset is not None,
         save_stats=return_residuals, loop=loop,
+        prefetch=LOOP_PREFETCH if config.prefetch is None else config.prefetch,
     )
     outs = _pallas_call(
         kernel, out_shape=out_shape, grid=grid, config=config,
