@@ -324,8 +324,8 @@ def test_triton_config_validation():
   assert Config(block_rows=4, num_warps=8).block_rows == 4
   for bad in (dict(block_rows=3), dict(block_rows=0), dict(num_warps=6),
               dict(num_warps=-4), dict(num_warps=64), dict(programs_per_sm=-1),
-              dict(num_stages=0)):
-    with pytest.raises(Exception, match="block_rows|num_warps|programs_per_sm|num_stages"):
+              dict(num_stages=0), dict(prefetch=-1)):
+    with pytest.raises(Exception, match="block_rows|num_warps|programs_per_sm|num_stages|prefetch"):
       Config(**bad)
 
 
