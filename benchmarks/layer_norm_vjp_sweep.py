@@ -7,7 +7,9 @@ written, for every (block_rows, warps, programs_per_sm, prefetch) with 4-64
 values per thread and prefetch in PREFETCH (default 0,1: blocks loaded 0 or
 1 loop trips ahead) (none with ONLY_SHIPPED=1); the shipped config ("triton
 shipped": heuristic or shipped cache entry) and XLA in the same run.
-SHAPES: comma-separated "8192x8192,65536x1024" (default both). Writes
+SHAPES: comma-separated "8192x8192,65536x1024" (default both); a shape of
+three dims "PRExFxPOST" is normalised over axis 1 (the [pre, F, post]
+backward: block_rows is then the column block). Writes
 layer_norm_vjp_sweep.json.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import sys
 
@@ -43,25 +46,30 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
     print(rows[-1], flush=True)
 
   for shape in shapes.split(","):
-    r, f = map(int, shape.split("x"))
-    x = jax.ShapeDtypeStruct((r, f), x_dtype)
+    dims = tuple(map(int, shape.split("x")))
+    axis = 1 if len(dims) == 3 else -1
+    f = dims[axis]
+    r = math.prod(dims) // f  # normalised vectors
+    vectors = dims[2] if len(dims) == 3 else r  # per tile: rows, or columns of post
+    x = jax.ShapeDtypeStruct(dims, x_dtype)
     p = jax.ShapeDtypeStruct((f,), jnp.float32)
     tb = lambda ms: 3 * r * f * x_dtype.itemsize / ms / 1e9
-    ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="xla"), (x, p, p))
+    ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, axis=axis, implementation="xla"),
+                 (x, p, p))
     record(shape=shape, impl="xla", ms=ms, tbps=tb(ms))
-    ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, implementation="triton"),
+    ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, axis=axis, implementation="triton"),
                (x, p, p))
     record(shape=shape, impl="triton shipped", ms=ms, tbps=tb(ms))
     configs = () if os.environ.get("ONLY_SHIPPED") else itertools.product(
         BLOCKS, WARPS, pps_values, prefetch_values)
     for block, w, pps, prefetch in configs:
-      if not 4 <= block * f / (32 * w) <= 64 or block > r:
+      if not 4 <= block * f / (32 * w) <= 64 or block > vectors:
         continue
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps,
                                      prefetch=prefetch)
       op = tr.TritonLayerNorm(vjp=tr.TritonLayerNormVjp(config=cfg))
       try:
-        ms = _vjp_ms(lambda x, s, o: op(x, s, o), (x, p, p))
+        ms = _vjp_ms(lambda x, s, o: op(x, s, o, axis=axis), (x, p, p))
       except Exception as e:  # a config may not compile (shared memory)
         record(shape=shape, config=str(cfg), error=str(e)[:200])
         continue
