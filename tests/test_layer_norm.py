@@ -559,7 +559,7 @@ def test_triton_gpu_measured_configs(dtype, features):
               for b in (False, True))
   assert fwd.block_rows == triton_ln._LOOP_CONFIGS[itemsize][features][0]
   assert bwd.programs_per_sm == triton_ln._VJP_CONFIGS[itemsize][features][2]
-  assert bwd.prefetch == (*triton_ln._VJP_CONFIGS[itemsize][features], 0)[3]
+  assert bwd.prefetch == triton_ln._VJP_CONFIGS[itemsize][features][3]
   op = triton_ln.TritonLayerNorm(config=fwd, vjp=triton_ln.TritonLayerNormVjp(config=bwd))
   check_against_f64(op, (x, scale, offset), ct)
 

@@ -88,8 +88,8 @@ _LOOP_CONFIGS = {
         8192: (2, 16, 1), 16384: (1, 16, 1)},
 }
 # Backward of [R, F] views, the same keys, (block_rows, warps,
-# programs_per_sm[, prefetch]) (programs_per_sm: at most that many programs
-# per SM, 0 = 32 // warps; prefetch 0 unless given). The fastest in H200
+# programs_per_sm, prefetch) (programs_per_sm: at most that many programs
+# per SM, 0 = 32 // warps). The fastest in H200
 # sweeps (benchmarks/layer_norm_vjp_sweep.py, docs/benchmarks.md 2026-12-03
 # 15:40 and 18:24), TB/s of x, dy read + dx written against the config used
 # before (16-bit x: the nearest cached shape's; f32 x: the rule below),
@@ -100,10 +100,10 @@ _LOOP_CONFIGS = {
 # 2.26 against 2.18; 1024 2.14 against 1.86; 2048 2.30 against 2.22; 4096
 # 2.27 against 2.21; 8192 2.18 against 1.94; 16384 the rule's.
 _VJP_CONFIGS = {
-    2: {512: (4, 4, 4), 1024: (1, 4, 0), 2048: (1, 8, 0), 4096: (1, 8, 2),
-        8192: (1, 16, 1, 1), 16384: (1, 8, 1)},
-    4: {512: (2, 4, 0), 1024: (2, 8, 0), 2048: (1, 8, 0), 4096: (1, 16, 0),
-        8192: (1, 8, 1, 1), 16384: (1, 16, 0)},
+    2: {512: (4, 4, 4, 0), 1024: (1, 4, 0, 0), 2048: (1, 8, 0, 0),
+        4096: (1, 8, 2, 0), 8192: (1, 16, 1, 1), 16384: (1, 8, 1, 0)},
+    4: {512: (2, 4, 0, 0), 1024: (2, 8, 0, 0), 2048: (1, 8, 0, 0),
+        4096: (1, 16, 0, 0), 8192: (1, 8, 1, 1), 16384: (1, 16, 0, 0)},
 }
 
 
@@ -175,11 +175,10 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
   table = (_VJP_CONFIGS if backward else _LOOP_CONFIGS).get(itemsize, {})
   if fp in table:
-    block_rows, warps, programs_per_sm, *prefetch = table[fp]
+    block_rows, warps, programs_per_sm, *prefetch = table[fp]  # forward: no prefetch
     return TritonLayerNormConfig(
         block_rows=min(block_rows, _next_pow2(rows)), num_warps=warps,
-        programs_per_sm=programs_per_sm,
-        prefetch=(prefetch or [0])[0] if backward else None)
+        programs_per_sm=programs_per_sm, prefetch=prefetch[0] if prefetch else None)
   warps = _warps_for(fp)
   block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
   block_rows = min(block_rows, _prev_pow2(_VALUES_PER_THREAD * 32 * warps // fp))
@@ -306,7 +305,7 @@ class _View:
 
 
 def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
-                has_scale, has_offset, save_stats, loop=None, prefetch=1):
+                has_scale, has_offset, save_stats, prefetch, loop=None):
   """One program: `block` vectors of x -> y (+ mean, rstd); with `loop` =
   (programs G, trips) ([R, F] only) the tiles g, g + G, ... of program g,
   each loaded `prefetch` trips ahead."""
@@ -376,7 +375,7 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
 
 
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
-                subtract_mean, has_scale, has_offset, prefetch=0):
+                subtract_mean, has_scale, has_offset, prefetch):
   """dx and per-program partial dscale/doffset; x and dy loaded `prefetch`
   loop trips ahead of their use.
 
