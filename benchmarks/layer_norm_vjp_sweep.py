@@ -1,6 +1,6 @@
 """Sweeps the layer_norm "triton" backward ([R, F] views) on the GPU.
 
-Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
+Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [TILE_BYTES=8192,16384] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
 x bf16 (or X_DTYPE), f32 scale and offset, the VJP alone (mode "vjp": dx,
 dscale, doffset from the saved statistics), TB/s of x and dy read + dx
 written, for every (block_rows, warps, programs_per_sm, prefetch) with 4-64
@@ -9,8 +9,9 @@ values per thread and prefetch in PREFETCH (default 0,1: blocks loaded 0 or
 shipped": heuristic or shipped cache entry) and XLA in the same run.
 SHAPES: comma-separated "8192x8192,65536x1024" (default both); a shape of
 three dims "PRExFxPOST" is normalised over axis 1 (the [pre, F, post]
-backward: block_rows is then the column block). Writes
-layer_norm_vjp_sweep.json.
+backward: its search space, block_rows columns per tile, each with the
+module's _COLUMN_TILE_BYTES set to every value of TILE_BYTES (default
+8192,16384,32768)). Writes layer_norm_vjp_sweep.json.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
     ms = _vjp_ms(lambda x, s, o: tokamax.layer_norm(x, s, o, axis=axis, implementation="triton"),
                (x, p, p))
     record(shape=shape, impl="triton shipped", ms=ms, tbps=tb(ms))
+    if len(dims) == 3:
+      _column_sweep(record, shape, axis, x, p, tb, r, f, dims[2])
+      continue
     configs = () if os.environ.get("ONLY_SHIPPED") else itertools.product(
         BLOCKS, WARPS, pps_values, prefetch_values)
     for block, w, pps, prefetch in configs:
@@ -76,6 +80,28 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
       record(shape=shape, block_rows=block, warps=w, programs_per_sm=pps,
              vjp_prefetch=prefetch, ms=ms, tbps=tb(ms))
   common.save(out_dir, "layer_norm_vjp_sweep", rows)
+
+
+def _column_sweep(record, shape, axis, x, p, tb, r, f, post):
+  """The [pre, F, post] backward's search space x TILE_BYTES."""
+  if os.environ.get("ONLY_SHIPPED"):
+    return
+  tile_values = [int(v) for v in os.environ.get("TILE_BYTES", "8192,16384,32768").split(",")]
+  default = tr._COLUMN_TILE_BYTES
+  space = sorted(tr.search_space(r, f, x.dtype.itemsize, post, backward=True),
+                 key=lambda c: (c.block_rows, c.num_warps))
+  for tile_bytes, cfg in itertools.product(tile_values, space):
+    tr._COLUMN_TILE_BYTES = tile_bytes
+    op = tr.TritonLayerNorm(vjp=tr.TritonLayerNormVjp(config=cfg))
+    try:
+      ms = _vjp_ms(lambda x, s, o: op(x, s, o, axis=axis), (x, p, p))
+    except Exception as e:  # a config may not compile (registers)
+      record(shape=shape, config=str(cfg), tile_bytes=tile_bytes, error=str(e)[:200])
+      continue
+    finally:
+      tr._COLUMN_TILE_BYTES = default
+    record(shape=shape, block_rows=cfg.block_rows, warps=cfg.num_warps,
+           tile_bytes=tile_bytes, ms=ms, tbps=tb(ms))
 
 
 if __name__ == "__main__":

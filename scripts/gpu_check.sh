@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|final|ship|upstream|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -120,6 +120,21 @@ if [[ $what == mosaic ]]; then
     -m gpu tests/test_attention.py -k "${TESTS:-Mosaic}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   timeout ${SWEEP_S:-300} python3 benchmarks/attention_mosaic_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/sweep.log" | tail -80
+  exit
+fi
+if [[ $what == flag_ab ]]; then
+  # Same-process A/B of a compile-time switch (benchmarks/attention_mosaic_flag_ab.py:
+  # FLAG, VALUES, MODES, SHAPES), the forward accuracy table
+  # (benchmarks/attention_accuracy.py), then the GPU attention tests
+  # (TESTS = -k filter) with the module's defaults.
+  timeout ${AB_S:-240} python3 benchmarks/attention_mosaic_flag_ab.py "$OUT" "${FLAG:-SUM_UNDER_PV}" \
+    "${VALUES:-False,True}" "${MODES:-forward}" "${SHAPES:-}" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/ab.log" | tail -20
+  timeout ${ACC_S:-120} python3 benchmarks/attention_accuracy.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+    | tee "$OUT/accuracy.log" | tail -30
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 ${TEST_S:-240} python3 -m pytest -q -n ${JOBS:-14} \
+    -p no:cacheprovider -rfE --tb=short -m gpu tests/test_attention.py -k "${TESTS:-TestMosaicGpu}" 2>&1 \
+    | grep -v "PytestBenchmarkWarning\|warner(" | tee "$OUT/gpu_tests.log" | tail -20
   exit
 fi
 if [[ $what == attn ]]; then

@@ -224,19 +224,18 @@ class TestTritonInterpret(LayerNormTestBase):
     with triton_ln.interpret_mode():
       yield
 
-  @pytest.mark.parametrize("subtract_mean, vjp_prefetch", [(True, 0), (False, 0), (True, 1)])
+  @pytest.mark.parametrize("subtract_mean, tile_bytes", [
+      (True, 512), (False, 512), (True, 16 * 1024)])
   @pytest.mark.parametrize("shape, axis", [((7, 45, 37), 1), ((45, 3, 37), 0)])
-  def test_non_last_axis_blocks_and_loop(self, monkeypatch, shape, axis,
-                                         subtract_mean, vjp_prefetch):
+  def test_non_last_axis_blocks_and_chunks(self, monkeypatch, shape, axis,
+                                           subtract_mean, tile_bytes):
     """[pre, F, post] view: column blocks not dividing post, F not a power of
-    2, >1 backward loop trip over pre (1 "SM", 4 warps -> 8 programs), the
-    backward loading 0 or 1 trips ahead (config.prefetch)."""
-    monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
+    2; the backward's feature chunks: 16 features of 45 (three chunks, the
+    last partial; 512-byte tiles of 8 f32 columns) or one chunk of 64."""
+    monkeypatch.setattr(triton_ln, "_COLUMN_TILE_BYTES", tile_bytes)
     config = triton_ln.TritonLayerNormConfig(block_rows=8, num_warps=4)
     op = triton_ln.TritonLayerNorm(
-        config=config, vjp=triton_ln.TritonLayerNormVjp(
-            config=dataclasses.replace(config, prefetch=vjp_prefetch))
-    )
+        config=config, vjp=triton_ln.TritonLayerNormVjp(config=config))
     x, scale, offset, ct_key = make_inputs(shape, axis, True, True, F32, 5)
     ct = jax.random.normal(ct_key, x.shape, F32)
     static = dict(axis=axis, subtract_mean=subtract_mean, scale_offset=1.0)
@@ -403,17 +402,22 @@ def test_triton_backward_preference():
 
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize("features, post, fwd, bwd", [
-    (1024, 4096, (32, 8), (16, 8)), (4096, 4096, (16, 16), (8, 16)),
-    (16384, 64, (4, 16), (2, 16)), (72, 5, (8, 4), (8, 4)), (77, 1000, (32, 4), (16, 4)),
+    (1024, 4096, (32, 8), (64, 8)), (4096, 4096, (16, 16), (64, 8)),
+    (16384, 64, (4, 16), (64, 8)), (72, 5, (8, 4), (8, 8)), (77, 1000, (32, 4), (64, 8)),
 ])
 def test_triton_heuristics_non_last_axis(features, post, fwd, bwd, backward):
-  """[pre, F, post] view: wide column tiles, bounded f32 values per thread."""
+  """[pre, F, post] view: forward tiles with bounded f32 values per thread;
+  backward tiles 64 columns wide (fewer if post is smaller), any F."""
   h = triton_ln.heuristic_config(16 * post, features, 2, post, backward)
   assert (h.block_rows, h.num_warps) == (bwd if backward else fwd)
   fp = pallas_triton.next_pow2(features)
-  assert fp * h.block_rows <= (64 if backward else 128) * 32 * h.num_warps
-  space = triton_ln.search_space(16 * post, features, 2, post)
-  assert space and all(c.block_rows <= pallas_triton.next_pow2(post) for c in space)
+  if not backward:
+    assert fp * h.block_rows <= 128 * 32 * h.num_warps
+  space = triton_ln.search_space(16 * post, features, 2, post, backward)
+  assert h in space
+  assert all(c.block_rows <= pallas_triton.next_pow2(post) for c in space)
+  if backward:
+    assert {c.num_warps for c in space} == {4, 8, 16}
 
 
 def _lower_text(fn, *args):
@@ -434,14 +438,9 @@ LOWER_CASES = {
 }
 
 
-@pytest.mark.parametrize("case, vjp_prefetch", [
-    (case, prefetch) for case in sorted(LOWER_CASES)
-    for prefetch in ((0, 1) if len(LOWER_CASES[case]) > 5 else (0,))])
-def test_triton_lowers_for_cuda(monkeypatch, case, vjp_prefetch):
-  """Forward and gradient lower for an H200 with the heuristic configs (the
-  [R, F] backward's prefetch is in its config); the [pre, F, post] backward
-  with VJP_PREFETCH, its default, 0 and 1."""
-  monkeypatch.setattr(triton_ln, "VJP_PREFETCH", vjp_prefetch)
+@pytest.mark.parametrize("case", sorted(LOWER_CASES))
+def test_triton_lowers_for_cuda(case):
+  """Forward and gradient lower for an H200 with the heuristic configs."""
   shape, dtype, ws, wo, sm, *axis = LOWER_CASES[case]
   axis = axis[0] if axis else -1
   spec = lambda s, d: jax.ShapeDtypeStruct(s, d)
@@ -459,8 +458,8 @@ def test_triton_lowers_for_cuda(monkeypatch, case, vjp_prefetch):
     fwd_text = _lower_text(f, x, scale, offset)
     grad_text = _lower_text(grad, x, scale, offset)
   assert fwd_text.count(TRITON_TARGET) == 1
-  # Forward (saving mean/rstd) and backward kernels.
-  assert grad_text.count(TRITON_TARGET) == 2
+  # Forward (saving mean/rstd) and backward kernels ([pre, F, post]: two).
+  assert grad_text.count(TRITON_TARGET) == (3 if axis not in (-1, len(shape) - 1) else 2)
 
 
 def test_triton_cross_compile_dispatch():
@@ -475,7 +474,7 @@ def test_triton_cross_compile_dispatch():
     text = _lower_text(lambda x, s: tokamax.layer_norm(x, s, axis=0), xt, s)
     assert TRITON_TARGET in text  # [1, 256, 64] view
     # Its gradient: the XLA VJP under None (faster), the Triton one if named.
-    for impl, kernels in ((None, 1), ("triton", 2)):
+    for impl, kernels in ((None, 1), ("triton", 3)):
       grad = jax.grad(lambda x, s: jnp.sum(tokamax.layer_norm(
           x, s, axis=0, implementation=impl).astype(F32)))
       assert _lower_text(grad, xt, s).count(TRITON_TARGET) == kernels
@@ -530,15 +529,17 @@ def test_triton_gpu_looped_forward_bf16_params(shape, block_rows, warps, program
                          4e-3, "forward")
 
 
-def check_against_f64(f, args, ct):
-  """f(x, scale, offset) (jitted) and its gradients vs the f64 reference,
-  with the tolerances of x's dtype; ct: the cotangent of y."""
+def check_against_f64(f, args, ct, **static):
+  """f(x, scale, offset, **static) (jitted) and its gradients vs the f64
+  reference, with the tolerances of x's dtype; ct: the cotangent of y."""
   fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(args[0].dtype)]
-  reference.assert_close(jax.jit(f)(*args), reference.layer_norm(*args), fwd_tol, "forward")
+  f = functools.partial(f, **static)
+  ref = functools.partial(reference.layer_norm, **static)
+  reference.assert_close(jax.jit(f)(*args), ref(*args), fwd_tol, "forward")
   grads = jax.jit(jax.grad(
       lambda *a: jnp.sum(f(*a).astype(F32) * ct), argnums=(0, 1, 2)))(*args)
   ref_grads = jax.grad(
-      lambda *a: jnp.sum(reference.layer_norm(*a) * ct), argnums=(0, 1, 2)
+      lambda *a: jnp.sum(ref(*a) * ct), argnums=(0, 1, 2)
   )(*map(reference.f64, args))
   for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
     reference.assert_close(g, r, grad_tol, name)
@@ -576,6 +577,21 @@ def test_triton_gpu_vjp_prefetch(shape, vjp_prefetch):
       config=dataclasses.replace(triton_ln.heuristic_config(*shape, 2, backward=True),
                                  prefetch=vjp_prefetch)))
   check_against_f64(op, (x, scale, offset), ct)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("subtract_mean", [True, False])
+@pytest.mark.parametrize("shape, block_rows, warps", [
+    ((16, 1024, 4096), 64, 8), ((16, 1024, 4096), 128, 16), ((3, 4099, 1000), 64, 8),
+    ((64, 4096, 256), 16, 4)])
+def test_triton_gpu_column_backward(shape, block_rows, warps, subtract_mean):
+  """The [pre, F, post] backward (axis 1) at real sizes, ragged feature
+  chunks and column blocks included, vs f64: y and every gradient."""
+  x, scale, offset, ct_key = make_inputs(shape, 1, True, True, BF16, block_rows + warps)
+  ct = jax.random.normal(ct_key, shape, F32)
+  op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(
+      config=triton_ln.TritonLayerNormConfig(block_rows=block_rows, num_warps=warps)))
+  check_against_f64(op, (x, scale, offset), ct, axis=1, subtract_mean=subtract_mean)
 
 
 def check_large_bf16(implementation, shape, seed):

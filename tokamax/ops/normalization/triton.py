@@ -15,13 +15,20 @@ Residuals are those of the XLA reference: (mean or None, rstd), f32, keepdims
 shapes (x's shape with 1 on the normalised axis), so either VJP reads either
 forward's residuals.
 
-Backward: a grid of G programs ([pre, F, post]: G x column blocks); program
-p handles row blocks p, p + G, ... (pre indices p, p + G, ...)
-computing dx (formula in xla.LayerNormVjp) and accumulating the per-column
-partial sums dscale_p = sum(dy * xhat), doffset_p = sum(dy) over its rows in
-f32 registers; they are written to [G, F] f32 buffers and summed over G by XLA
-(no atomics, deterministic). G is capped near the number of resident programs
-so the partial buffers stay small next to x.
+Backward of [R, F]: a grid of G programs; program p handles row blocks p,
+p + G, ... computing dx (formula in xla.LayerNormVjp) and accumulating the
+per-column partial sums dscale_p = sum(dy * xhat), doffset_p = sum(dy) over
+its rows in f32 registers; they are written to [G, F] f32 buffers and summed
+over G by XLA (no atomics, deterministic). G is capped near the number of
+resident programs so the partial buffers stay small next to x.
+
+Backward of [pre, F, post]: two kernels over [chunk, block] tiles (rows of
+`block` contiguous columns, so loads coalesce whatever F is). The first
+streams each column's features once for the sums over F of g * xhat and g
+(g = dy * scale) and per-feature partials of dscale/doffset; the second
+writes dx from them. x and dy are read twice: about 5 bytes moved per 3 of
+a one-pass kernel, which would need a whole [F, block] slab in registers
+and so blocks too narrow to coalesce (8-byte rows at F = 4096).
 
 Supported: NVIDIA sm_80+ (or interpret mode, see `interpret_mode`), bf16/f16/
 f32 inputs and parameters, any axis, F <= 16384.
@@ -70,6 +77,11 @@ VJP_PREFETCH = 0
 # backward keeps ~4 such tiles live).
 _TARGET_BYTES = 32 * 1024
 _VALUES_PER_THREAD = 32
+# [pre, F, post] backward: bytes of x per [chunk, block] tile of its two
+# kernels (the feature chunk follows from the block's width) and the
+# heuristic's columns per tile (128-byte rows of 16-bit x).
+_COLUMN_TILE_BYTES = 16 * 1024
+_COLUMN_BLOCK = 64
 # Forward of [R, F] views: (block_rows, warps, programs_per_sm) by the
 # itemsize of x and Fp, the fastest configs on the H200
 # (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md 2026-12-03).
@@ -160,16 +172,18 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
   """Warps by feature size; rows so a program moves ~32 KiB (see module doc);
   measured configs for 16-bit and f32 x at Fp = 512-16384.
 
-  For the [pre, F, post] view: tiles of up to 32 (forward) or 16 (backward)
-  columns and the fewest warps that keep <= 128 (forward) or <= 64
-  (backward, about four tiles live) f32 values per thread; the fastest
-  configs measured on the H200 at [16, 1024, 4096] (docs/benchmarks.md).
+  For the [pre, F, post] view: forward tiles of up to 32 columns and the
+  fewest warps that keep <= 128 f32 values per thread (the fastest configs
+  measured on the H200 at [16, 1024, 4096], docs/benchmarks.md); backward
+  [chunk, block] tiles of _COLUMN_BLOCK columns, 8 warps.
   """
   fp = _next_pow2(features)
+  if post > 1 and backward:
+    return TritonLayerNormConfig(block_rows=min(_COLUMN_BLOCK, _next_pow2(post)),
+                                 num_warps=8)
   if post > 1:
-    per_thread = 64 if backward else 128
-    block = min(16 if backward else 32, _next_pow2(post),
-                _prev_pow2(max(1, per_thread * 32 * 16 // fp)))
+    per_thread = 128
+    block = min(32, _next_pow2(post), _prev_pow2(max(1, per_thread * 32 * 16 // fp)))
     threads = fp * block // per_thread
     warps = 4 if threads <= 128 else 8 if threads <= 256 else 16
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
@@ -200,7 +214,11 @@ def _programs_per_sm(block_rows: int, itemsize: int) -> int:
 def search_space(rows: int, features: int, itemsize: int, post: int = 1,
                  backward: bool = False) -> set[TritonLayerNormConfig]:
   """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread;
-  backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1."""
+  backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; backward [pre,
+  F, post]: 16-128 columns per tile, 4/8/16 warps."""
+  if post > 1 and backward:
+    return {TritonLayerNormConfig(block_rows=min(b, _next_pow2(post)), num_warps=w)
+            for b, w in itertools.product((16, 32, 64, 128), (4, 8, 16))}
   h = heuristic_config(rows, features, itemsize, post, backward)
   fp = _next_pow2(features)
   limit = _next_pow2(post if post > 1 else rows)
@@ -210,11 +228,12 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
       continue
     for warps, pps, prefetch in itertools.product(
         (4, 8, 16), (0,) if post > 1 else (0, 1, 2, 4) if backward else (0, 1, 2, 4, 8),
-        (h.prefetch,) if post > 1 or not backward else (0, 1)):
+        (0, 1) if backward else (h.prefetch,)):
       per_thread = block_rows * fp / (32 * warps)
       if 4 <= per_thread <= 64:
         configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps,
                                           programs_per_sm=pps, prefetch=prefetch))
+  configs.add(h)  # (the [pre, F, post] forward's holds up to 128 values/thread)
   return configs
 
 
@@ -376,12 +395,11 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
 
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
                 subtract_mean, has_scale, has_offset, prefetch):
-  """dx and per-program partial dscale/doffset; x and dy loaded `prefetch`
-  loop trips ahead of their use.
+  """[R, F] views: dx and per-program partial dscale/doffset; x and dy loaded
+  `prefetch` loop trips ahead of their use.
 
-  [R, F]: program g handles row blocks g, g + G, ...; [pre, F, post]: program
-  (g, c) handles column block c at pre indices g, g + G, .... Its partial sums
-  go to row g (g * column blocks + c) of the [programs, F] buffers.
+  Program g handles row blocks g, g + G, ...; its partial sums go to row g
+  of the [programs, F] buffers.
   """
   refs = list(refs)
   x_ref, dy_ref = refs.pop(0), refs.pop(0)
@@ -393,17 +411,12 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
   doffset_ref = refs.pop(0) if has_offset else None
 
   fa, f = view.fa, view.features
-  g_id = _i32(pl.program_id(0))
   # Read outside the loop (interpret mode cannot lower program_id in a body).
-  c_id = _i32(pl.program_id(1)) if view.is_3d else None
+  g_id = _i32(pl.program_id(0))
   w = _load_param(scale_ref, view.fp, f, scale_offset) if has_scale else None
 
   def block(k):
     """(p, v0, tile, vec_ok, mask) of loop trip k (past the end: all masked)."""
-    if view.is_3d:
-      p = g_id + k * num_programs
-      v0 = c_id * view.block
-      return (p, v0, *view.tile(p, v0, p_ok=p < view.pre))
     p, v0 = None, _i32((g_id + k * num_programs) * view.block)
     return (p, v0, *view.tile(p, v0))
 
@@ -448,15 +461,165 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
   zeros = jnp.zeros((view.fp,), jnp.float32)
   first = tuple(load_x_dy(block(_i32(i))) for i in range(prefetch))
   (acc_ds, acc_db), _ = lax.fori_loop(_i32(0), _i32(iters), body, ((zeros, zeros), first))
-  row = g_id
-  if view.is_3d:
-    row = g_id * pl.num_programs(1) + c_id
-  col = (row, pl.ds(_i32(0), view.fp))
+  col = (g_id, pl.ds(_i32(0), view.fp))
   col_ok = jnp.arange(view.fp) < f
   if has_scale:
     pltr.store(dscale_ref.at[col], acc_ds, mask=col_ok)
   if has_offset:
     pltr.store(doffset_ref.at[col], acc_db, mask=col_ok)
+
+
+def _feature_chunk(block: int, features: int, itemsize: int) -> int:
+  """Features per tile of the [pre, F, post] backward (a power of 2 >= 16)."""
+  chunk = _prev_pow2(max(1, _COLUMN_TILE_BYTES // (block * itemsize)))
+  return max(16, min(chunk, _next_pow2(features)))
+
+
+def _column_tile(p, f0, v0, chunk: int, block: int, features: int, post: int):
+  """(index, mask or None) of the [chunk, block] tile of [pre, F, post] at
+  (p, f0, v0); the mask only where F or post is not a multiple of the tile."""
+  mask = None
+  if features % chunk:
+    mask = (f0 + jnp.arange(chunk) < features)[:, None]
+  if post % block:
+    cols = (v0 + jnp.arange(block) < post)[None, :]
+    mask = cols if mask is None else mask & cols
+  return (p, pl.ds(f0, chunk), pl.ds(v0, block)), mask
+
+
+def _load_masked(ref, idx, mask, dtype=jnp.float32):
+  if mask is None:
+    return pltr.load(ref.at[idx]).astype(dtype)
+  return pltr.load(ref.at[idx], mask=mask, other=0.0).astype(dtype)
+
+
+def _load_columns(ref, p, v0, block: int, post: int):
+  """[block] f32 of a [pre, post] ref: columns v0.. at pre p (0 past post)."""
+  ok = v0 + jnp.arange(block) < post if post % block else None
+  return _load_masked(ref, (p, pl.ds(v0, block)), ok)
+
+
+def _chunk_param(ref, f0, chunk: int, features: int, add: float):
+  """[chunk, 1] f32 scale (+ `add`) of features f0.. (0 past F)."""
+  ok = f0 + jnp.arange(chunk) < features
+  w = pltr.load(ref.at[pl.ds(f0, chunk)], mask=ok, other=0.0).astype(jnp.float32)
+  return jnp.where(ok, w + add, 0.0)[:, None] if add else w[:, None]
+
+
+def _bwd_sums_kernel(*refs, features, post, chunk, block, scale_offset,
+                     subtract_mean, has_scale, has_offset):
+  """[pre, F, post] backward, pass 1. Program (p, c) streams the feature
+  chunks of columns v0 = c * block.. at pre index p and writes the column
+  sums over F of g * xhat and of g (g = dy * (scale + scale_offset)), [pre,
+  post] f32, and its rows of the per-feature partials sum_cols(dy * xhat),
+  sum_cols(dy) ([pre * column blocks, F] f32, summed over rows by XLA).
+  Reads x and dy once; masked elements load dy = 0, so they add nothing."""
+  refs = list(refs)
+  x_ref, dy_ref = refs.pop(0), refs.pop(0)
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  sum_gx_ref = refs.pop(0)
+  sum_g_ref = refs.pop(0) if subtract_mean else None
+  part_ds_ref = refs.pop(0) if has_scale else None
+  part_db_ref = refs.pop(0) if has_offset else None
+  p, c = _i32(pl.program_id(0)), _i32(pl.program_id(1))
+  v0 = c * block
+  row = p * pl.num_programs(1) + c
+  mean = _load_columns(mean_ref, p, v0, block, post) if subtract_mean else None
+  rstd = _load_columns(rstd_ref, p, v0, block, post)
+
+  def body(k, carry):
+    s_gx, s_g = carry
+    f0 = k * chunk
+    idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
+    x, dy = _load_masked(x_ref, idx, mask), _load_masked(dy_ref, idx, mask)
+    xhat = (x - mean[None, :] if subtract_mean else x) * rstd[None, :]
+    g = dy * _chunk_param(scale_ref, f0, chunk, features, scale_offset) if has_scale else dy
+    s_gx = s_gx + jnp.sum(g * xhat, axis=0)
+    if subtract_mean:
+      s_g = s_g + jnp.sum(g, axis=0)
+    part = (row, pl.ds(f0, chunk))
+    f_ok = f0 + jnp.arange(chunk) < features if features % chunk else None
+    if has_scale:
+      pltr.store(part_ds_ref.at[part], jnp.sum(dy * xhat, axis=1), mask=f_ok)
+    if has_offset:
+      pltr.store(part_db_ref.at[part], jnp.sum(dy, axis=1), mask=f_ok)
+    return s_gx, s_g
+
+  zeros = jnp.zeros((block,), jnp.float32)
+  s_gx, s_g = lax.fori_loop(_i32(0), _i32(pl.cdiv(features, chunk)), body, (zeros, zeros))
+  ok = v0 + jnp.arange(block) < post if post % block else None
+  pltr.store(sum_gx_ref.at[p, pl.ds(v0, block)], s_gx, mask=ok)
+  if subtract_mean:
+    pltr.store(sum_g_ref.at[p, pl.ds(v0, block)], s_g, mask=ok)
+
+
+def _bwd_dx_kernel(*refs, features, post, chunk, block, scale_offset,
+                   subtract_mean, has_scale):
+  """[pre, F, post] backward, pass 2: program (p, c, k) writes dx of the
+  [chunk, block] tile (p, k * chunk, c * block): dx = rstd * (g - sum(g)/F -
+  xhat * sum(g * xhat)/F) with the sums of pass 1."""
+  refs = list(refs)
+  x_ref, dy_ref = refs.pop(0), refs.pop(0)
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  sum_gx_ref = refs.pop(0)
+  sum_g_ref = refs.pop(0) if subtract_mean else None
+  dx_ref = refs.pop(0)
+  p, c, k = (_i32(pl.program_id(a)) for a in range(3))
+  v0, f0 = c * block, k * chunk
+  mean = _load_columns(mean_ref, p, v0, block, post) if subtract_mean else None
+  rstd = _load_columns(rstd_ref, p, v0, block, post)
+  s_gx = _load_columns(sum_gx_ref, p, v0, block, post)
+  idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
+  x, dy = _load_masked(x_ref, idx, mask), _load_masked(dy_ref, idx, mask)
+  xhat = (x - mean[None, :] if subtract_mean else x) * rstd[None, :]
+  g = dy * _chunk_param(scale_ref, f0, chunk, features, scale_offset) if has_scale else dy
+  centred = g
+  if subtract_mean:
+    s_g = _load_columns(sum_g_ref, p, v0, block, post)
+    centred = g - (s_g / features)[None, :]
+  dx = rstd[None, :] * (centred - xhat * (s_gx / features)[None, :])
+  if mask is None:
+    pltr.store(dx_ref.at[idx], dx.astype(dx_ref.dtype))
+  else:
+    pltr.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
+
+
+def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
+                 subtract_mean, has_offset):
+  """dx [pre, F, post] and the dscale/doffset partials of the [pre, F, post]
+  backward: two kernels, each streaming coalesced [chunk, block] tiles (any
+  F; x and dy read twice, dx written once)."""
+  pre, f, post = view.pre, view.features, view.post
+  block = view.block
+  chunk = _feature_chunk(block, f, jnp.dtype(x.dtype).itemsize)
+  blocks = pl.cdiv(post, block)
+  statics = dict(features=f, post=post, chunk=chunk, block=block,
+                 scale_offset=float(scale_offset), subtract_mean=subtract_mean,
+                 has_scale=scale is not None)
+  stats = ([mean.reshape(pre, post).astype(jnp.float32)] if subtract_mean else [])
+  stats.append(rstd.reshape(pre, post).astype(jnp.float32))
+  inputs = [x, dout, *stats, *([scale] if scale is not None else [])]
+  col_sum = jax.ShapeDtypeStruct((pre, post), jnp.float32)
+  partial = jax.ShapeDtypeStruct((pre * blocks, f), jnp.float32)
+  sums_shape = [col_sum] + ([col_sum] if subtract_mean else [])
+  parts_shape = ([partial] if scale is not None else []) + ([partial] if has_offset else [])
+  outs = _pallas_call(
+      functools.partial(_bwd_sums_kernel, has_offset=has_offset, **statics),
+      out_shape=sums_shape + parts_shape, grid=(pre, blocks), config=config,
+      name="tokamax_layer_norm_bwd_sums",
+  )(*inputs)
+  sums, parts = list(outs[:len(sums_shape)]), list(outs[len(sums_shape):])
+  dx = _pallas_call(
+      functools.partial(_bwd_dx_kernel, **statics),
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+      grid=(pre, blocks, pl.cdiv(f, chunk)), config=config,
+      name="tokamax_layer_norm_bwd_dx",
+  )(*inputs, *sums)[0]
+  return dx, parts
 
 
 def _view(x, axis, block) -> _View:
@@ -541,21 +704,33 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
       )
     mean, rstd = residuals
     view = _view(x, axis, config.block_rows)
+    if view.is_3d:
+      x_shape, _ = _array_shape(view)
+      dx, parts = _bwd_columns(
+          x.reshape(x_shape), dout.reshape(x_shape), mean, rstd, scale, view,
+          config, scale_offset, subtract_mean, offset is not None)
+    else:
+      dx, parts = self._bwd_rows(x, dout, mean, rstd, scale, offset, view,
+                                 config, scale_offset, subtract_mean)
+    grads = {"x": dx.reshape(x.shape)}
+    if scale is not None:
+      grads["scale"] = jnp.sum(parts.pop(0), axis=0).astype(scale.dtype)
+    if offset is not None:
+      grads["offset"] = jnp.sum(parts.pop(0), axis=0).astype(offset.dtype)
+    return grads, None
+
+  @staticmethod
+  def _bwd_rows(x, dout, mean, rstd, scale, offset, view, config, scale_offset,
+                subtract_mean):
+    """dx [R, F] and the dscale/doffset partials of the [R, F] backward."""
     x_shape, stat_shape = _array_shape(view)
-    blocks_per_pre = pl.cdiv(view.vectors, view.block)
     # Each program writes a row of dscale/doffset partial sums: more programs
     # hide more latency but write (and jnp.sum reads) more partials.
     per_sm = config.programs_per_sm or max(1, 32 // config.num_warps)
-    max_programs = _num_sms() * per_sm
-    if view.is_3d:
-      # Programs (g, c): column block c, pre indices g, g + G, ...
-      work, width = view.pre, blocks_per_pre
-    else:
-      work, width = blocks_per_pre, 1
+    work = pl.cdiv(view.vectors, view.block)
     # Fewest programs that still use `iters` loop trips (balanced work).
-    iters = pl.cdiv(work, min(work, max(1, max_programs // width)))
+    iters = pl.cdiv(work, min(work, _num_sms() * per_sm))
     num_programs = pl.cdiv(work, iters)
-
     inputs = [x.reshape(x_shape), dout.reshape(x_shape)]
     if subtract_mean:
       inputs.append(mean.reshape(stat_shape).astype(jnp.float32))
@@ -563,29 +738,19 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
     if scale is not None:
       inputs.append(scale)
     out_shape = [jax.ShapeDtypeStruct(x_shape, x.dtype)]
-    partial = jax.ShapeDtypeStruct((num_programs * width, view.features), jnp.float32)
-    if scale is not None:
-      out_shape.append(partial)
-    if offset is not None:
-      out_shape.append(partial)
+    partial = jax.ShapeDtypeStruct((num_programs, view.features), jnp.float32)
+    out_shape += [partial] * ((scale is not None) + (offset is not None))
     kernel = functools.partial(
         _bwd_kernel, view=view, num_programs=num_programs, iters=iters,
         scale_offset=float(scale_offset), subtract_mean=subtract_mean,
         has_scale=scale is not None, has_offset=offset is not None,
         prefetch=VJP_PREFETCH if config.prefetch is None else config.prefetch,
     )
-    grid = (num_programs, width) if view.is_3d else (num_programs,)
-    outs = _pallas_call(
-        kernel, out_shape=out_shape, grid=grid, config=config,
+    outs = list(_pallas_call(
+        kernel, out_shape=out_shape, grid=(num_programs,), config=config,
         name="tokamax_layer_norm_bwd",
-    )(*inputs)
-    outs = list(outs)
-    grads = {"x": outs.pop(0).reshape(x.shape)}
-    if scale is not None:
-      grads["scale"] = jnp.sum(outs.pop(0), axis=0).astype(scale.dtype)
-    if offset is not None:
-      grads["offset"] = jnp.sum(outs.pop(0), axis=0).astype(offset.dtype)
-    return grads, None
+    )(*inputs))
+    return outs[0], outs[1:]
 
 
 @dataclasses.dataclass(frozen=True)
