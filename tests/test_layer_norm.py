@@ -226,13 +226,18 @@ class TestTritonInterpret(LayerNormTestBase):
 
   @pytest.mark.parametrize("subtract_mean, tile_bytes", [
       (True, 512), (False, 512), (True, 16 * 1024)])
-  @pytest.mark.parametrize("shape, axis", [((7, 45, 37), 1), ((45, 3, 37), 0)])
+  @pytest.mark.parametrize("shape, axis", [((7, 45, 37), 1), ((45, 3, 37), 0),
+                                           ((3, 64, 37), 1)])
   def test_non_last_axis_blocks_and_chunks(self, monkeypatch, shape, axis,
                                            subtract_mean, tile_bytes):
     """[pre, F, post] view: column blocks not dividing post, F not a power of
     2; the backward's feature chunks: 16 features of 45 (three chunks, the
-    last partial; 512-byte tiles of 8 f32 columns) or one chunk of 64."""
+    last partial; 512-byte tiles of 8 f32 columns) or one chunk of 64; the
+    chunk loop split over 4 programs (F = 64: four chunks of 16)."""
     monkeypatch.setattr(triton_ln, "_COLUMN_TILE_BYTES", tile_bytes)
+    # Split the chunk loop wherever the chunk count is even (4 ways at F = 64).
+    monkeypatch.setattr(triton_ln, "_SPLIT_PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
     config = triton_ln.TritonLayerNormConfig(block_rows=8, num_warps=4)
     op = triton_ln.TritonLayerNorm(
         config=config, vjp=triton_ln.TritonLayerNormVjp(config=config))
@@ -402,12 +407,12 @@ def test_triton_backward_preference():
 
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize("features, post, fwd, bwd", [
-    (1024, 4096, (32, 8), (64, 8)), (4096, 4096, (16, 16), (64, 8)),
-    (16384, 64, (4, 16), (64, 8)), (72, 5, (8, 4), (8, 8)), (77, 1000, (32, 4), (64, 8)),
+    (1024, 4096, (32, 8), (128, 4)), (4096, 4096, (16, 16), (128, 4)),
+    (16384, 64, (4, 16), (64, 4)), (72, 5, (8, 4), (8, 4)), (77, 1000, (32, 4), (128, 4)),
 ])
 def test_triton_heuristics_non_last_axis(features, post, fwd, bwd, backward):
   """[pre, F, post] view: forward tiles with bounded f32 values per thread;
-  backward tiles 64 columns wide (fewer if post is smaller), any F."""
+  backward tiles 128 columns wide (fewer if post is smaller), any F."""
   h = triton_ln.heuristic_config(16 * post, features, 2, post, backward)
   assert (h.block_rows, h.num_warps) == (bwd if backward else fwd)
   fp = pallas_triton.next_pow2(features)
@@ -583,14 +588,17 @@ def test_triton_gpu_vjp_prefetch(shape, vjp_prefetch):
 @pytest.mark.parametrize("subtract_mean", [True, False])
 @pytest.mark.parametrize("shape, block_rows, warps", [
     ((16, 1024, 4096), 64, 8), ((16, 1024, 4096), 128, 16), ((3, 4099, 1000), 64, 8),
-    ((64, 4096, 256), 16, 4)])
+    ((64, 4096, 256), 16, 4), ((64, 4096, 256), None, None)])
 def test_triton_gpu_column_backward(shape, block_rows, warps, subtract_mean):
   """The [pre, F, post] backward (axis 1) at real sizes, ragged feature
-  chunks and column blocks included, vs f64: y and every gradient."""
-  x, scale, offset, ct_key = make_inputs(shape, 1, True, True, BF16, block_rows + warps)
+  chunks and column blocks and the split F loop (64 x 4096 x 256) included,
+  vs f64: y and every gradient."""
+  x, scale, offset, ct_key = make_inputs(shape, 1, True, True, BF16, shape[2])
   ct = jax.random.normal(ct_key, shape, F32)
-  op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(
-      config=triton_ln.TritonLayerNormConfig(block_rows=block_rows, num_warps=warps)))
+  config = None  # None: the heuristic's
+  if block_rows is not None:
+    config = triton_ln.TritonLayerNormConfig(block_rows=block_rows, num_warps=warps)
+  op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(config=config))
   check_against_f64(op, (x, scale, offset), ct, axis=1, subtract_mean=subtract_mean)
 
 

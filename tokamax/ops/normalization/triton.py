@@ -78,10 +78,15 @@ VJP_PREFETCH = 0
 _TARGET_BYTES = 32 * 1024
 _VALUES_PER_THREAD = 32
 # [pre, F, post] backward: bytes of x per [chunk, block] tile of its two
-# kernels (the feature chunk follows from the block's width) and the
-# heuristic's columns per tile (128-byte rows of 16-bit x).
-_COLUMN_TILE_BYTES = 16 * 1024
-_COLUMN_BLOCK = 64
+# kernels (the feature chunk follows from the block's width), the
+# heuristic's columns per tile (256-byte rows of 16-bit x) and warps, and
+# the first kernel's programs per SM (its F loop is split to reach them).
+# The fastest of 16-128 columns x 4/8/16 warps x 8-32 KiB tiles on the H200
+# at [16, 1024, 4096] and [64, 4096, 256] (docs/benchmarks.md 2026-12-03 21:00).
+_COLUMN_TILE_BYTES = 8 * 1024
+_COLUMN_BLOCK = 128
+_COLUMN_WARPS = 4
+_SPLIT_PROGRAMS_PER_SM = 4
 # Forward of [R, F] views: (block_rows, warps, programs_per_sm) by the
 # itemsize of x and Fp, the fastest configs on the H200
 # (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md 2026-12-03).
@@ -175,12 +180,12 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
   For the [pre, F, post] view: forward tiles of up to 32 columns and the
   fewest warps that keep <= 128 f32 values per thread (the fastest configs
   measured on the H200 at [16, 1024, 4096], docs/benchmarks.md); backward
-  [chunk, block] tiles of _COLUMN_BLOCK columns, 8 warps.
+  [chunk, block] tiles of _COLUMN_BLOCK columns, _COLUMN_WARPS warps.
   """
   fp = _next_pow2(features)
   if post > 1 and backward:
     return TritonLayerNormConfig(block_rows=min(_COLUMN_BLOCK, _next_pow2(post)),
-                                 num_warps=8)
+                                 num_warps=_COLUMN_WARPS)
   if post > 1:
     per_thread = 128
     block = min(32, _next_pow2(post), _prev_pow2(max(1, per_thread * 32 * 16 // fp)))
@@ -506,14 +511,15 @@ def _chunk_param(ref, f0, chunk: int, features: int, add: float):
   return jnp.where(ok, w + add, 0.0)[:, None] if add else w[:, None]
 
 
-def _bwd_sums_kernel(*refs, features, post, chunk, block, scale_offset,
+def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
                      subtract_mean, has_scale, has_offset):
-  """[pre, F, post] backward, pass 1. Program (p, c) streams the feature
-  chunks of columns v0 = c * block.. at pre index p and writes the column
-  sums over F of g * xhat and of g (g = dy * (scale + scale_offset)), [pre,
-  post] f32, and its rows of the per-feature partials sum_cols(dy * xhat),
-  sum_cols(dy) ([pre * column blocks, F] f32, summed over rows by XLA).
-  Reads x and dy once; masked elements load dy = 0, so they add nothing."""
+  """[pre, F, post] backward, pass 1. Program (p, c, s) streams `trips`
+  feature chunks (s * trips, ...) of columns v0 = c * block.. at pre index p
+  and writes their column sums of g * xhat and of g (g = dy * (scale +
+  scale_offset)) to row s of [splits, pre, post] f32 (summed over s by XLA),
+  and its part of the per-feature partials sum_cols(dy * xhat), sum_cols(dy)
+  ([pre * column blocks, F] f32, summed over rows by XLA). Reads x and dy
+  once; masked elements load dy = 0, so they add nothing."""
   refs = list(refs)
   x_ref, dy_ref = refs.pop(0), refs.pop(0)
   mean_ref = refs.pop(0) if subtract_mean else None
@@ -523,7 +529,7 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, scale_offset,
   sum_g_ref = refs.pop(0) if subtract_mean else None
   part_ds_ref = refs.pop(0) if has_scale else None
   part_db_ref = refs.pop(0) if has_offset else None
-  p, c = _i32(pl.program_id(0)), _i32(pl.program_id(1))
+  p, c, split = (_i32(pl.program_id(a)) for a in range(3))
   v0 = c * block
   row = p * pl.num_programs(1) + c
   mean = _load_columns(mean_ref, p, v0, block, post) if subtract_mean else None
@@ -531,7 +537,7 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, scale_offset,
 
   def body(k, carry):
     s_gx, s_g = carry
-    f0 = k * chunk
+    f0 = (split * trips + k) * chunk
     idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
     x, dy = _load_masked(x_ref, idx, mask), _load_masked(dy_ref, idx, mask)
     xhat = (x - mean[None, :] if subtract_mean else x) * rstd[None, :]
@@ -548,11 +554,11 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, scale_offset,
     return s_gx, s_g
 
   zeros = jnp.zeros((block,), jnp.float32)
-  s_gx, s_g = lax.fori_loop(_i32(0), _i32(pl.cdiv(features, chunk)), body, (zeros, zeros))
+  s_gx, s_g = lax.fori_loop(_i32(0), _i32(trips), body, (zeros, zeros))
   ok = v0 + jnp.arange(block) < post if post % block else None
-  pltr.store(sum_gx_ref.at[p, pl.ds(v0, block)], s_gx, mask=ok)
+  pltr.store(sum_gx_ref.at[split, p, pl.ds(v0, block)], s_gx, mask=ok)
   if subtract_mean:
-    pltr.store(sum_g_ref.at[p, pl.ds(v0, block)], s_g, mask=ok)
+    pltr.store(sum_g_ref.at[split, p, pl.ds(v0, block)], s_g, mask=ok)
 
 
 def _bwd_dx_kernel(*refs, features, post, chunk, block, scale_offset,
@@ -597,22 +603,32 @@ def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
   block = view.block
   chunk = _feature_chunk(block, f, jnp.dtype(x.dtype).itemsize)
   blocks = pl.cdiv(post, block)
+  chunks = pl.cdiv(f, chunk)
+  # The first kernel's F loop split over programs until about 4 per SM run
+  # (a divisor of the chunk count: [pre, blocks] alone can be a few hundred
+  # programs of long serial loops, e.g. 256 at [64, 4096, 256]).
+  splits = 1
+  while (chunks % (2 * splits) == 0
+         and pre * blocks * splits < _SPLIT_PROGRAMS_PER_SM * _num_sms()):
+    splits *= 2
   statics = dict(features=f, post=post, chunk=chunk, block=block,
                  scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                  has_scale=scale is not None)
   stats = ([mean.reshape(pre, post).astype(jnp.float32)] if subtract_mean else [])
   stats.append(rstd.reshape(pre, post).astype(jnp.float32))
   inputs = [x, dout, *stats, *([scale] if scale is not None else [])]
-  col_sum = jax.ShapeDtypeStruct((pre, post), jnp.float32)
+  col_sum = jax.ShapeDtypeStruct((splits, pre, post), jnp.float32)
   partial = jax.ShapeDtypeStruct((pre * blocks, f), jnp.float32)
   sums_shape = [col_sum] + ([col_sum] if subtract_mean else [])
   parts_shape = ([partial] if scale is not None else []) + ([partial] if has_offset else [])
   outs = _pallas_call(
-      functools.partial(_bwd_sums_kernel, has_offset=has_offset, **statics),
-      out_shape=sums_shape + parts_shape, grid=(pre, blocks), config=config,
-      name="tokamax_layer_norm_bwd_sums",
+      functools.partial(_bwd_sums_kernel, has_offset=has_offset,
+                        trips=chunks // splits, **statics),
+      out_shape=sums_shape + parts_shape, grid=(pre, blocks, splits),
+      config=config, name="tokamax_layer_norm_bwd_sums",
   )(*inputs)
-  sums, parts = list(outs[:len(sums_shape)]), list(outs[len(sums_shape):])
+  sums = [jnp.sum(v, axis=0) for v in outs[:len(sums_shape)]]
+  parts = list(outs[len(sums_shape):])
   dx = _pallas_call(
       functools.partial(_bwd_dx_kernel, **statics),
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
