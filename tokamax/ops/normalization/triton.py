@@ -398,6 +398,16 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
     lax.fori_loop(_i32(0), _i32(trips), body, first)
 
 
+def _bwd_inputs(refs, subtract_mean: bool, has_scale: bool):
+  """(x, dy, mean or None, rstd, scale or None) refs of a backward kernel,
+  popped from the front of the list `refs` (its outputs stay)."""
+  x_ref, dy_ref = refs.pop(0), refs.pop(0)
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  return x_ref, dy_ref, mean_ref, rstd_ref, scale_ref
+
+
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
                 subtract_mean, has_scale, has_offset, prefetch):
   """[R, F] views: dx and per-program partial dscale/doffset; x and dy loaded
@@ -407,10 +417,7 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
   of the [programs, F] buffers.
   """
   refs = list(refs)
-  x_ref, dy_ref = refs.pop(0), refs.pop(0)
-  mean_ref = refs.pop(0) if subtract_mean else None
-  rstd_ref = refs.pop(0)
-  scale_ref = refs.pop(0) if has_scale else None
+  x_ref, dy_ref, mean_ref, rstd_ref, scale_ref = _bwd_inputs(refs, subtract_mean, has_scale)
   dx_ref = refs.pop(0)
   dscale_ref = refs.pop(0) if has_scale else None
   doffset_ref = refs.pop(0) if has_offset else None
@@ -511,6 +518,19 @@ def _chunk_param(ref, f0, chunk: int, features: int, add: float):
   return jnp.where(ok, w + add, 0.0)[:, None] if add else w[:, None]
 
 
+def _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0, *, features,
+                  post, chunk, block, scale_offset):
+  """(index, mask, dy, xhat, g) of the [chunk, block] tile at (p, f0, v0),
+  f32, with g = dy * (scale + scale_offset) (dy without scale)."""
+  idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
+  x, dy = _load_masked(x_ref, idx, mask), _load_masked(dy_ref, idx, mask)
+  xhat = (x if mean is None else x - mean[None, :]) * rstd[None, :]
+  g = dy
+  if scale_ref is not None:
+    g = dy * _chunk_param(scale_ref, f0, chunk, features, scale_offset)
+  return idx, mask, dy, xhat, g
+
+
 def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
                      subtract_mean, has_scale, has_offset):
   """[pre, F, post] backward, pass 1. Program (p, c, s) streams `trips`
@@ -521,10 +541,7 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
   ([pre * column blocks, F] f32, summed over rows by XLA). Reads x and dy
   once; masked elements load dy = 0, so they add nothing."""
   refs = list(refs)
-  x_ref, dy_ref = refs.pop(0), refs.pop(0)
-  mean_ref = refs.pop(0) if subtract_mean else None
-  rstd_ref = refs.pop(0)
-  scale_ref = refs.pop(0) if has_scale else None
+  x_ref, dy_ref, mean_ref, rstd_ref, scale_ref = _bwd_inputs(refs, subtract_mean, has_scale)
   sum_gx_ref = refs.pop(0)
   sum_g_ref = refs.pop(0) if subtract_mean else None
   part_ds_ref = refs.pop(0) if has_scale else None
@@ -534,14 +551,14 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
   row = p * pl.num_programs(1) + c
   mean = _load_columns(mean_ref, p, v0, block, post) if subtract_mean else None
   rstd = _load_columns(rstd_ref, p, v0, block, post)
+  tile = dict(features=features, post=post, chunk=chunk, block=block,
+              scale_offset=scale_offset)
 
   def body(k, carry):
     s_gx, s_g = carry
     f0 = (split * trips + k) * chunk
-    idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
-    x, dy = _load_masked(x_ref, idx, mask), _load_masked(dy_ref, idx, mask)
-    xhat = (x - mean[None, :] if subtract_mean else x) * rstd[None, :]
-    g = dy * _chunk_param(scale_ref, f0, chunk, features, scale_offset) if has_scale else dy
+    _, _, dy, xhat, g = _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0,
+                                      **tile)
     s_gx = s_gx + jnp.sum(g * xhat, axis=0)
     if subtract_mean:
       s_g = s_g + jnp.sum(g, axis=0)
@@ -567,10 +584,7 @@ def _bwd_dx_kernel(*refs, features, post, chunk, block, scale_offset,
   [chunk, block] tile (p, k * chunk, c * block): dx = rstd * (g - sum(g)/F -
   xhat * sum(g * xhat)/F) with the sums of pass 1."""
   refs = list(refs)
-  x_ref, dy_ref = refs.pop(0), refs.pop(0)
-  mean_ref = refs.pop(0) if subtract_mean else None
-  rstd_ref = refs.pop(0)
-  scale_ref = refs.pop(0) if has_scale else None
+  x_ref, dy_ref, mean_ref, rstd_ref, scale_ref = _bwd_inputs(refs, subtract_mean, has_scale)
   sum_gx_ref = refs.pop(0)
   sum_g_ref = refs.pop(0) if subtract_mean else None
   dx_ref = refs.pop(0)
@@ -578,11 +592,11 @@ def _bwd_dx_kernel(*refs, features, post, chunk, block, scale_offset,
   v0, f0 = c * block, k * chunk
   mean = _load_columns(mean_ref, p, v0, block, post) if subtract_mean else None
   rstd = _load_columns(rstd_ref, p, v0, block, post)
+  tile = dict(features=features, post=post, chunk=chunk, block=block,
+              scale_offset=scale_offset)
   s_gx = _load_columns(sum_gx_ref, p, v0, block, post)
-  idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
-  x, dy = _load_masked(x_ref, idx, mask), _load_masked(dy_ref, idx, mask)
-  xhat = (x - mean[None, :] if subtract_mean else x) * rstd[None, :]
-  g = dy * _chunk_param(scale_ref, f0, chunk, features, scale_offset) if has_scale else dy
+  idx, mask, _, xhat, g = _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0,
+                                        **tile)
   centred = g
   if subtract_mean:
     s_g = _load_columns(sum_g_ref, p, v0, block, post)
