@@ -269,10 +269,12 @@ def _pallas_call(kernel, *, out_shape, grid, config, name, num_stages=None):
   )
 
 
-def _load_param(ref, fp, features, add=0.0):
-  """[fp] f32 parameter (masked columns 0), plus `add` on valid columns."""
-  col_ok = jnp.arange(fp) < features
-  p = pltr.load(ref.at[pl.ds(_i32(0), fp)], mask=col_ok, other=0.0).astype(jnp.float32)
+def _load_param(ref, fp, features, add=0.0, f0=None):
+  """[fp] f32 parameter of features f0.. (default 0; masked features 0), plus
+  `add` on valid features."""
+  col_ok = (jnp.arange(fp) if f0 is None else f0 + jnp.arange(fp)) < features
+  start = _i32(0) if f0 is None else f0
+  p = pltr.load(ref.at[pl.ds(start, fp)], mask=col_ok, other=0.0).astype(jnp.float32)
   return jnp.where(col_ok, p + add, 0.0) if add else p
 
 
@@ -511,13 +513,6 @@ def _load_columns(ref, p, v0, block: int, post: int):
   return _load_masked(ref, (p, pl.ds(v0, block)), ok)
 
 
-def _chunk_param(ref, f0, chunk: int, features: int, add: float):
-  """[chunk, 1] f32 scale (+ `add`) of features f0.. (0 past F)."""
-  ok = f0 + jnp.arange(chunk) < features
-  w = pltr.load(ref.at[pl.ds(f0, chunk)], mask=ok, other=0.0).astype(jnp.float32)
-  return jnp.where(ok, w + add, 0.0)[:, None] if add else w[:, None]
-
-
 def _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0, *, features,
                   post, chunk, block, scale_offset):
   """(index, mask, dy, xhat, g) of the [chunk, block] tile at (p, f0, v0),
@@ -527,7 +522,7 @@ def _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0, *, features,
   xhat = (x if mean is None else x - mean[None, :]) * rstd[None, :]
   g = dy
   if scale_ref is not None:
-    g = dy * _chunk_param(scale_ref, f0, chunk, features, scale_offset)
+    g = dy * _load_param(scale_ref, chunk, features, scale_offset, f0)[:, None]
   return idx, mask, dy, xhat, g
 
 
@@ -602,10 +597,7 @@ def _bwd_dx_kernel(*refs, features, post, chunk, block, scale_offset,
     s_g = _load_columns(sum_g_ref, p, v0, block, post)
     centred = g - (s_g / features)[None, :]
   dx = rstd[None, :] * (centred - xhat * (s_gx / features)[None, :])
-  if mask is None:
-    pltr.store(dx_ref.at[idx], dx.astype(dx_ref.dtype))
-  else:
-    pltr.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
+  pltr.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
 
 
 def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
@@ -646,7 +638,7 @@ def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
   dx = _pallas_call(
       functools.partial(_bwd_dx_kernel, **statics),
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
-      grid=(pre, blocks, pl.cdiv(f, chunk)), config=config,
+      grid=(pre, blocks, chunks), config=config,
       name="tokamax_layer_norm_bwd_dx",
   )(*inputs, *sums)[0]
   return dx, parts
