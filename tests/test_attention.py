@@ -546,6 +546,7 @@ def test_triton_heuristics_and_search_space_are_valid():
     assert c.block_q <= max(16, pallas_triton.next_pow2(t))
     space = triton_attn.search_space(t, s, h, size)
     assert space and all(isinstance(x, triton_attn.TritonAttentionConfig) for x in space)
+    assert c in space, c  # the measured fastest configs are among those tuned
     assert triton_attn.vjp_search_space(t, s, h, size)
     triton_attn.vjp_heuristic_config(t, s, h, size)
 

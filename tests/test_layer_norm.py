@@ -224,17 +224,20 @@ class TestTritonInterpret(LayerNormTestBase):
     with triton_ln.interpret_mode():
       yield
 
-  @pytest.mark.parametrize("subtract_mean, tile_bytes", [
-      (True, 512), (False, 512), (True, 16 * 1024)])
+  @pytest.mark.parametrize("subtract_mean, tile_bytes, prefetch", [
+      (True, 512, 0), (False, 512, 0), (True, 16 * 1024, 0), (True, 512, 1),
+      (False, 512, 1)])
   @pytest.mark.parametrize("shape, axis", [((7, 45, 37), 1), ((45, 3, 37), 0),
                                            ((3, 64, 37), 1)])
   def test_non_last_axis_blocks_and_chunks(self, monkeypatch, shape, axis,
-                                           subtract_mean, tile_bytes):
+                                           subtract_mean, tile_bytes, prefetch):
     """[pre, F, post] view: column blocks not dividing post, F not a power of
     2; the backward's feature chunks: 16 features of 45 (three chunks, the
     last partial; 512-byte tiles of 8 f32 columns) or one chunk of 64; the
-    chunk loop split over 4 programs (F = 64: four chunks of 16)."""
+    chunk loop split over 4 programs (F = 64: four chunks of 16), its chunks
+    loaded 0 or 1 trips ahead."""
     monkeypatch.setattr(triton_ln, "_COLUMN_TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(triton_ln, "_COLUMN_PREFETCH", prefetch)
     # Split the chunk loop wherever the chunk count is even (4 ways at F = 64).
     monkeypatch.setattr(triton_ln, "_SPLIT_PROGRAMS_PER_SM", 64)
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
@@ -589,10 +592,13 @@ def test_triton_gpu_vjp_prefetch(shape, vjp_prefetch):
 @pytest.mark.parametrize("shape, block_rows, warps", [
     ((16, 1024, 4096), 64, 8), ((16, 1024, 4096), 128, 16), ((3, 4099, 1000), 64, 8),
     ((64, 4096, 256), 16, 4), ((64, 4096, 256), None, None)])
-def test_triton_gpu_column_backward(shape, block_rows, warps, subtract_mean):
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_triton_gpu_column_backward(monkeypatch, shape, block_rows, warps,
+                                    subtract_mean, prefetch):
   """The [pre, F, post] backward (axis 1) at real sizes, ragged feature
   chunks and column blocks and the split F loop (64 x 4096 x 256) included,
-  vs f64: y and every gradient."""
+  chunks loaded 0 or 1 trips ahead, vs f64: y and every gradient."""
+  monkeypatch.setattr(triton_ln, "_COLUMN_PREFETCH", prefetch)
   x, scale, offset, ct_key = make_inputs(shape, 1, True, True, BF16, shape[2])
   ct = jax.random.normal(ct_key, shape, F32)
   config = None  # None: the heuristic's

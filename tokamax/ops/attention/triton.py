@@ -661,7 +661,9 @@ def search_space(t: int, s: int, h: int, itemsize: int) -> set[TritonAttentionCo
     bq, bk = _clip_block(bq, t), _clip_block(bk, s)
     if _fwd_smem(bq, bk, hp, stages, itemsize) > 200 * 1024:
       continue
-    if bq * max(bk, hp) * 4 // (32 * warps) > 256:  # f32 values per thread
+    # f32 values per thread of the O accumulator [bq, hp] and the logits
+    # [bq, bk]: above ~192 they spill (255 registers per thread).
+    if bq * (hp + bk) // (32 * warps) > 192:
       continue
     configs.add(TritonAttentionConfig(
         block_q=bq, block_k=bk, num_warps=warps, num_stages=stages))

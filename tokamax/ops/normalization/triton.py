@@ -87,6 +87,9 @@ _COLUMN_TILE_BYTES = 8 * 1024
 _COLUMN_BLOCK = 128
 _COLUMN_WARPS = 4
 _SPLIT_PROGRAMS_PER_SM = 4
+# [pre, F, post] backward, first kernel: feature chunks loaded this many
+# (0 or 1) loop trips ahead of their use.
+_COLUMN_PREFETCH = 0
 # Forward of [R, F] views: (block_rows, warps, programs_per_sm) by the
 # itemsize of x and Fp, the fastest configs on the H200
 # (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md 2026-12-03).
@@ -513,12 +516,26 @@ def _load_columns(ref, p, v0, block: int, post: int):
   return _load_masked(ref, (p, pl.ds(v0, block)), ok)
 
 
-def _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0, *, features,
-                  post, chunk, block, scale_offset):
-  """(index, mask, dy, xhat, g) of the [chunk, block] tile at (p, f0, v0),
-  f32, with g = dy * (scale + scale_offset) (dy without scale)."""
+def _load_column_tiles(x_ref, dy_ref, p, f0, v0, *, features, post, chunk, block,
+                       valid=None, dtype=jnp.float32):
+  """x and dy of the [chunk, block] tile at (p, f0, v0) in `dtype`; all
+  masked (no traffic) where the scalar `valid` is false."""
   idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
-  x, dy = _load_masked(x_ref, idx, mask), _load_masked(dy_ref, idx, mask)
+  if valid is not None:
+    mask = jnp.broadcast_to(valid, (chunk, block)) if mask is None else mask & valid
+  return _load_masked(x_ref, idx, mask, dtype), _load_masked(dy_ref, idx, mask, dtype)
+
+
+def _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0, *, features,
+                  post, chunk, block, scale_offset, x_dy=None):
+  """(index, mask, dy, xhat, g) of the [chunk, block] tile at (p, f0, v0),
+  f32, with g = dy * (scale + scale_offset) (dy without scale); x and dy
+  loaded here unless given (`x_dy`)."""
+  idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
+  if x_dy is None:
+    x_dy = _load_column_tiles(x_ref, dy_ref, p, f0, v0, features=features, post=post,
+                              chunk=chunk, block=block)
+  x, dy = (v.astype(jnp.float32) for v in x_dy)
   xhat = (x if mean is None else x - mean[None, :]) * rstd[None, :]
   g = dy
   if scale_ref is not None:
@@ -527,14 +544,15 @@ def _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0, *, features,
 
 
 def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
-                     subtract_mean, has_scale, has_offset):
+                     subtract_mean, has_scale, has_offset, prefetch):
   """[pre, F, post] backward, pass 1. Program (p, c, s) streams `trips`
   feature chunks (s * trips, ...) of columns v0 = c * block.. at pre index p
   and writes their column sums of g * xhat and of g (g = dy * (scale +
   scale_offset)) to row s of [splits, pre, post] f32 (summed over s by XLA),
   and its part of the per-feature partials sum_cols(dy * xhat), sum_cols(dy)
   ([pre * column blocks, F] f32, summed over rows by XLA). Reads x and dy
-  once; masked elements load dy = 0, so they add nothing."""
+  once, each chunk `prefetch` (0 or 1) trips ahead of its use; masked
+  elements load dy = 0, so they add nothing."""
   refs = list(refs)
   x_ref, dy_ref, mean_ref, rstd_ref, scale_ref = _bwd_inputs(refs, subtract_mean, has_scale)
   sum_gx_ref = refs.pop(0)
@@ -549,11 +567,19 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
   tile = dict(features=features, post=post, chunk=chunk, block=block,
               scale_offset=scale_offset)
 
+  f_start = lambda k: (split * trips + k) * chunk
+  load = lambda k: _load_column_tiles(
+      x_ref, dy_ref, p, f_start(k), v0, features=features, post=post, chunk=chunk,
+      block=block, valid=k < trips, dtype=x_ref.dtype)
+
   def body(k, carry):
-    s_gx, s_g = carry
-    f0 = (split * trips + k) * chunk
+    s_gx, s_g, ahead = carry
+    f0 = f_start(k)
+    x_dy = None
+    if prefetch:  # Trip k + 1's tiles first (past the end: masked, no traffic).
+      x_dy, ahead = ahead, load(k + 1)
     _, _, dy, xhat, g = _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0,
-                                      **tile)
+                                      x_dy=x_dy, **tile)
     s_gx = s_gx + jnp.sum(g * xhat, axis=0)
     if subtract_mean:
       s_g = s_g + jnp.sum(g, axis=0)
@@ -563,10 +589,11 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
       pltr.store(part_ds_ref.at[part], jnp.sum(dy * xhat, axis=1), mask=f_ok)
     if has_offset:
       pltr.store(part_db_ref.at[part], jnp.sum(dy, axis=1), mask=f_ok)
-    return s_gx, s_g
+    return s_gx, s_g, ahead
 
   zeros = jnp.zeros((block,), jnp.float32)
-  s_gx, s_g = lax.fori_loop(_i32(0), _i32(trips), body, (zeros, zeros))
+  first = load(_i32(0)) if prefetch else ()
+  s_gx, s_g, _ = lax.fori_loop(_i32(0), _i32(trips), body, (zeros, zeros, first))
   ok = v0 + jnp.arange(block) < post if post % block else None
   pltr.store(sum_gx_ref.at[split, p, pl.ds(v0, block)], s_gx, mask=ok)
   if subtract_mean:
@@ -629,7 +656,7 @@ def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
   parts_shape = ([partial] if scale is not None else []) + ([partial] if has_offset else [])
   outs = _pallas_call(
       functools.partial(_bwd_sums_kernel, has_offset=has_offset,
-                        trips=chunks // splits, **statics),
+                        trips=chunks // splits, prefetch=_COLUMN_PREFETCH, **statics),
       out_shape=sums_shape + parts_shape, grid=(pre, blocks, splits),
       config=config, name="tokamax_layer_norm_bwd_sums",
   )(*inputs)
