@@ -87,9 +87,9 @@ _COLUMN_TILE_BYTES = 8 * 1024
 _COLUMN_BLOCK = 128
 _COLUMN_WARPS = 4
 _SPLIT_PROGRAMS_PER_SM = 4
-# [pre, F, post] backward, first kernel: feature chunks loaded this many
-# (0 or 1) loop trips ahead of their use.
-_COLUMN_PREFETCH = 0
+# [pre, F, post] forward by two kernels over the backward's [chunk, block]
+# tiles (statistics, then y) instead of one holding [Fp, block] slabs.
+COLUMN_FORWARD = True
 # Forward of [R, F] views: (block_rows, warps, programs_per_sm) by the
 # itemsize of x and Fp, the fastest configs on the H200
 # (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md 2026-12-03).
@@ -186,7 +186,7 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
   [chunk, block] tiles of _COLUMN_BLOCK columns, _COLUMN_WARPS warps.
   """
   fp = _next_pow2(features)
-  if post > 1 and backward:
+  if post > 1 and (backward or COLUMN_FORWARD):
     return TritonLayerNormConfig(block_rows=min(_COLUMN_BLOCK, _next_pow2(post)),
                                  num_warps=_COLUMN_WARPS)
   if post > 1:
@@ -224,7 +224,7 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
   """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread;
   backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; backward [pre,
   F, post]: 16-128 columns per tile, 4/8/16 warps."""
-  if post > 1 and backward:
+  if post > 1 and (backward or COLUMN_FORWARD):
     return {TritonLayerNormConfig(block_rows=min(b, _next_pow2(post)), num_warps=w)
             for b, w in itertools.product((16, 32, 64, 128), (4, 8, 16))}
   h = heuristic_config(rows, features, itemsize, post, backward)
@@ -516,26 +516,12 @@ def _load_columns(ref, p, v0, block: int, post: int):
   return _load_masked(ref, (p, pl.ds(v0, block)), ok)
 
 
-def _load_column_tiles(x_ref, dy_ref, p, f0, v0, *, features, post, chunk, block,
-                       valid=None, dtype=jnp.float32):
-  """x and dy of the [chunk, block] tile at (p, f0, v0) in `dtype`; all
-  masked (no traffic) where the scalar `valid` is false."""
-  idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
-  if valid is not None:
-    mask = jnp.broadcast_to(valid, (chunk, block)) if mask is None else mask & valid
-  return _load_masked(x_ref, idx, mask, dtype), _load_masked(dy_ref, idx, mask, dtype)
-
-
 def _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0, *, features,
-                  post, chunk, block, scale_offset, x_dy=None):
+                  post, chunk, block, scale_offset):
   """(index, mask, dy, xhat, g) of the [chunk, block] tile at (p, f0, v0),
-  f32, with g = dy * (scale + scale_offset) (dy without scale); x and dy
-  loaded here unless given (`x_dy`)."""
+  f32, with g = dy * (scale + scale_offset) (dy without scale)."""
   idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
-  if x_dy is None:
-    x_dy = _load_column_tiles(x_ref, dy_ref, p, f0, v0, features=features, post=post,
-                              chunk=chunk, block=block)
-  x, dy = (v.astype(jnp.float32) for v in x_dy)
+  x, dy = _load_masked(x_ref, idx, mask), _load_masked(dy_ref, idx, mask)
   xhat = (x if mean is None else x - mean[None, :]) * rstd[None, :]
   g = dy
   if scale_ref is not None:
@@ -544,15 +530,14 @@ def _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0, *, features,
 
 
 def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
-                     subtract_mean, has_scale, has_offset, prefetch):
+                     subtract_mean, has_scale, has_offset):
   """[pre, F, post] backward, pass 1. Program (p, c, s) streams `trips`
   feature chunks (s * trips, ...) of columns v0 = c * block.. at pre index p
   and writes their column sums of g * xhat and of g (g = dy * (scale +
   scale_offset)) to row s of [splits, pre, post] f32 (summed over s by XLA),
   and its part of the per-feature partials sum_cols(dy * xhat), sum_cols(dy)
   ([pre * column blocks, F] f32, summed over rows by XLA). Reads x and dy
-  once, each chunk `prefetch` (0 or 1) trips ahead of its use; masked
-  elements load dy = 0, so they add nothing."""
+  once; masked elements load dy = 0, so they add nothing."""
   refs = list(refs)
   x_ref, dy_ref, mean_ref, rstd_ref, scale_ref = _bwd_inputs(refs, subtract_mean, has_scale)
   sum_gx_ref = refs.pop(0)
@@ -567,19 +552,11 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
   tile = dict(features=features, post=post, chunk=chunk, block=block,
               scale_offset=scale_offset)
 
-  f_start = lambda k: (split * trips + k) * chunk
-  load = lambda k: _load_column_tiles(
-      x_ref, dy_ref, p, f_start(k), v0, features=features, post=post, chunk=chunk,
-      block=block, valid=k < trips, dtype=x_ref.dtype)
-
   def body(k, carry):
-    s_gx, s_g, ahead = carry
-    f0 = f_start(k)
-    x_dy = None
-    if prefetch:  # Trip k + 1's tiles first (past the end: masked, no traffic).
-      x_dy, ahead = ahead, load(k + 1)
+    s_gx, s_g = carry
+    f0 = (split * trips + k) * chunk
     _, _, dy, xhat, g = _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0,
-                                      x_dy=x_dy, **tile)
+                                      **tile)
     s_gx = s_gx + jnp.sum(g * xhat, axis=0)
     if subtract_mean:
       s_g = s_g + jnp.sum(g, axis=0)
@@ -589,11 +566,10 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
       pltr.store(part_ds_ref.at[part], jnp.sum(dy * xhat, axis=1), mask=f_ok)
     if has_offset:
       pltr.store(part_db_ref.at[part], jnp.sum(dy, axis=1), mask=f_ok)
-    return s_gx, s_g, ahead
+    return s_gx, s_g
 
   zeros = jnp.zeros((block,), jnp.float32)
-  first = load(_i32(0)) if prefetch else ()
-  s_gx, s_g, _ = lax.fori_loop(_i32(0), _i32(trips), body, (zeros, zeros, first))
+  s_gx, s_g = lax.fori_loop(_i32(0), _i32(trips), body, (zeros, zeros))
   ok = v0 + jnp.arange(block) < post if post % block else None
   pltr.store(sum_gx_ref.at[split, p, pl.ds(v0, block)], s_gx, mask=ok)
   if subtract_mean:
@@ -627,6 +603,122 @@ def _bwd_dx_kernel(*refs, features, post, chunk, block, scale_offset,
   pltr.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
 
 
+def _column_splits(pre: int, blocks: int, chunks: int) -> int:
+  """Programs sharing one column block's F loop in the first kernel of the
+  [pre, F, post] forward and backward: doubled until about
+  _SPLIT_PROGRAMS_PER_SM programs per SM run (a divisor of the chunk count:
+  [pre, blocks] alone can be a few hundred programs of long serial loops,
+  e.g. 256 at [64, 4096, 256])."""
+  splits = 1
+  while (chunks % (2 * splits) == 0
+         and pre * blocks * splits < _SPLIT_PROGRAMS_PER_SM * _num_sms()):
+    splits *= 2
+  return splits
+
+
+def _fwd_stats_kernel(x_ref, *out_refs, features, post, chunk, block, trips,
+                      subtract_mean):
+  """[pre, F, post] forward, pass 1. Program (p, c, s) streams `trips` feature
+  chunks (s * trips, ...) of columns v0 = c * block.. at pre index p and
+  writes, per column, to row s of [splits, pre, post] f32 buffers: the mean
+  and M2 = sum((x - mean)^2) of its features (layer norm), or sum(x^2) (RMS
+  norm). Each chunk's mean and M2 come from the tile in registers (two exact
+  passes) and are merged into the running pair by the pairwise update of
+  Chan, Golub & LeVeque (1979, eq. 2.1), so no E[x^2] - E[x]^2 cancellation."""
+  p, c, split = (_i32(pl.program_id(a)) for a in range(3))
+  v0 = c * block
+
+  def body(k, carry):
+    f0 = (split * trips + k) * chunk
+    idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
+    x = _load_masked(x_ref, idx, mask)
+    if not subtract_mean:
+      return (carry[0] + jnp.sum(x * x, axis=0),)
+    mean, m2 = carry
+    # Chunks before k in this split are full; only F's last one is partial.
+    n_a = (k * chunk).astype(jnp.float32)
+    n_b = jnp.minimum(chunk, features - f0).astype(jnp.float32)
+    mean_b = jnp.sum(x, axis=0) / n_b
+    d = x - mean_b[None, :]
+    if features % chunk:  # features past F loaded 0: no (0 - mean_b)^2
+      d = jnp.where((f0 + jnp.arange(chunk) < features)[:, None], d, 0.0)
+    delta = mean_b - mean
+    n = n_a + n_b
+    return mean + delta * (n_b / n), m2 + jnp.sum(d * d, axis=0) + delta * delta * (n_a * n_b / n)
+
+  zeros = jnp.zeros((block,), jnp.float32)
+  carry = lax.fori_loop(_i32(0), _i32(trips), body,
+                        (zeros, zeros) if subtract_mean else (zeros,))
+  ok = v0 + jnp.arange(block) < post if post % block else None
+  for ref, v in zip(out_refs, carry):
+    pltr.store(ref.at[split, p, pl.ds(v0, block)], v, mask=ok)
+
+
+def _fwd_apply_kernel(*refs, features, post, chunk, block, scale_offset,
+                      subtract_mean, has_scale, has_offset):
+  """[pre, F, post] forward, pass 2: program (p, c, k) writes y of the
+  [chunk, block] tile (p, k * chunk, c * block) from pass 1's statistics."""
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  mean_ref = refs.pop(0) if subtract_mean else None
+  rstd_ref = refs.pop(0)
+  scale_ref = refs.pop(0) if has_scale else None
+  offset_ref = refs.pop(0) if has_offset else None
+  y_ref = refs.pop(0)
+  p, c, k = (_i32(pl.program_id(a)) for a in range(3))
+  v0, f0 = c * block, k * chunk
+  idx, mask = _column_tile(p, f0, v0, chunk, block, features, post)
+  y = _load_masked(x_ref, idx, mask)
+  if subtract_mean:
+    y = y - _load_columns(mean_ref, p, v0, block, post)[None, :]
+  y = y * _load_columns(rstd_ref, p, v0, block, post)[None, :]
+  if has_scale:
+    y = y * _load_param(scale_ref, chunk, features, scale_offset, f0)[:, None]
+  if has_offset:
+    y = y + _load_param(offset_ref, chunk, features, 0.0, f0)[:, None]
+  pltr.store(y_ref.at[idx], y.astype(y_ref.dtype), mask=mask)
+
+
+def _fwd_columns(x, scale, offset, view: _View, config, epsilon, scale_offset,
+                 subtract_mean):
+  """(y, mean or None, rstd) of the [pre, F, post] forward ([pre, post] f32
+  statistics): two kernels streaming coalesced [chunk, block] tiles (any F; x
+  read twice, y written once)."""
+  pre, f, post, block = view.pre, view.features, view.post, view.block
+  chunk = _feature_chunk(block, f, jnp.dtype(x.dtype).itemsize)
+  blocks, chunks = pl.cdiv(post, block), pl.cdiv(f, chunk)
+  splits = _column_splits(pre, blocks, chunks)
+  trips = chunks // splits
+  part = jax.ShapeDtypeStruct((splits, pre, post), jnp.float32)
+  parts = _pallas_call(
+      functools.partial(_fwd_stats_kernel, features=f, post=post, chunk=chunk,
+                        block=block, trips=trips, subtract_mean=subtract_mean),
+      out_shape=[part] * (2 if subtract_mean else 1), grid=(pre, blocks, splits),
+      config=config, name="tokamax_layer_norm_fwd_stats",
+  )(x)
+  # Merge the splits' (count, mean, M2) exactly: M2 = sum_s M2_s + n_s *
+  # (mean_s - mean)^2 (Chan et al. 1979, eq. 2.1 for several parts).
+  counts = jnp.asarray([min(f, (s + 1) * trips * chunk) - s * trips * chunk
+                        for s in range(splits)], jnp.float32)[:, None, None]
+  if subtract_mean:
+    mean = jnp.sum(counts * parts[0], axis=0) / f
+    m2 = jnp.sum(parts[1] + counts * jnp.square(parts[0] - mean), axis=0)
+  else:
+    mean, m2 = None, jnp.sum(parts[0], axis=0)
+  rstd = lax.rsqrt(m2 / f + epsilon)
+  inputs = [x, *([mean] if subtract_mean else []), rstd]
+  inputs += [v for v in (scale, offset) if v is not None]
+  y = _pallas_call(
+      functools.partial(_fwd_apply_kernel, features=f, post=post, chunk=chunk,
+                        block=block, scale_offset=float(scale_offset),
+                        subtract_mean=subtract_mean, has_scale=scale is not None,
+                        has_offset=offset is not None),
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)], grid=(pre, blocks, chunks),
+      config=config, name="tokamax_layer_norm_fwd_apply",
+  )(*inputs)[0]
+  return y, mean, rstd
+
+
 def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
                  subtract_mean, has_offset):
   """dx [pre, F, post] and the dscale/doffset partials of the [pre, F, post]
@@ -637,13 +729,7 @@ def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
   chunk = _feature_chunk(block, f, jnp.dtype(x.dtype).itemsize)
   blocks = pl.cdiv(post, block)
   chunks = pl.cdiv(f, chunk)
-  # The first kernel's F loop split over programs until about 4 per SM run
-  # (a divisor of the chunk count: [pre, blocks] alone can be a few hundred
-  # programs of long serial loops, e.g. 256 at [64, 4096, 256]).
-  splits = 1
-  while (chunks % (2 * splits) == 0
-         and pre * blocks * splits < _SPLIT_PROGRAMS_PER_SM * _num_sms()):
-    splits *= 2
+  splits = _column_splits(pre, blocks, chunks)
   statics = dict(features=f, post=post, chunk=chunk, block=block,
                  scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                  has_scale=scale is not None)
@@ -656,7 +742,7 @@ def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
   parts_shape = ([partial] if scale is not None else []) + ([partial] if has_offset else [])
   outs = _pallas_call(
       functools.partial(_bwd_sums_kernel, has_offset=has_offset,
-                        trips=chunks // splits, prefetch=_COLUMN_PREFETCH, **statics),
+                        trips=chunks // splits, **statics),
       out_shape=sums_shape + parts_shape, grid=(pre, blocks, splits),
       config=config, name="tokamax_layer_norm_bwd_sums",
   )(*inputs)
@@ -821,6 +907,15 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
       )
     view = _view(x, axis, config.block_rows)
     x_shape, stat_shape = _array_shape(view)
+    if view.is_3d and COLUMN_FORWARD:
+      y, mean, rstd = _fwd_columns(
+          x.reshape(x_shape), scale, offset, view, config, float(epsilon),
+          scale_offset, subtract_mean)
+      stats = None
+      if return_residuals:
+        stats = tuple(None if v is None else v.reshape(_stat_shape(x, axis))
+                      for v in (mean, rstd))
+      return y.reshape(x.shape), stats
     inputs = [x.reshape(x_shape)]
     inputs += [p for p in (scale, offset) if p is not None]
     out_shape = [jax.ShapeDtypeStruct(x_shape, x.dtype)]
