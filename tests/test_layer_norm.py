@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -236,18 +237,26 @@ class TestTritonInterpret(LayerNormTestBase):
     with triton_ln.interpret_mode():
       yield
 
+  def test_statistics_of_columns_with_jumping_means_in_slabs(self, monkeypatch):
+    """The base's column test through the one-kernel [Fp, block] forward."""
+    monkeypatch.setattr(triton_ln, "COLUMN_FORWARD", False)
+    check_jumping_means(self.implementation, self.dtypes[0], columns=True)
+
   @pytest.mark.parametrize("subtract_mean, tile_bytes", [
       (True, 512), (False, 512), (True, 16 * 1024)])
   @pytest.mark.parametrize("shape, axis", [((7, 45, 37), 1), ((45, 3, 37), 0),
                                            ((3, 64, 37), 1)])
+  @pytest.mark.parametrize("column_forward", [True, False])
   def test_non_last_axis_blocks_and_chunks(self, monkeypatch, shape, axis,
-                                           subtract_mean, tile_bytes):
+                                           subtract_mean, tile_bytes, column_forward):
     """[pre, F, post] view: column blocks not dividing post, F not a power of
-    2; the backward's feature chunks: 16 features of 45 (three chunks, the
-    last partial; 512-byte tiles of 8 f32 columns) or one chunk of 64; the
-    chunk loop split over 4 programs (F = 64: four chunks of 16)."""
+    2; feature chunks of the column kernels: 16 features of 45 (three chunks,
+    the last partial; 512-byte tiles of 8 f32 columns) or one chunk of 64; the
+    chunk loop split over programs (F = 45: 2, the last streaming one chunk;
+    F = 64: 4 of one chunk). Forward by the column kernels or by slabs."""
     monkeypatch.setattr(triton_ln, "_COLUMN_TILE_BYTES", tile_bytes)
-    # Split the chunk loop wherever the chunk count is even (4 ways at F = 64).
+    monkeypatch.setattr(triton_ln, "COLUMN_FORWARD", column_forward)
+    # Split the chunk loop: 64 programs wanted on one "SM".
     monkeypatch.setattr(triton_ln, "_SPLIT_PROGRAMS_PER_SM", 64)
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
     config = triton_ln.TritonLayerNormConfig(block_rows=8, num_warps=4)
@@ -404,9 +413,20 @@ def test_triton_backward_heuristics(rows, features, itemsize, expected):
   assert triton_ln.heuristic_config(rows, features, itemsize).prefetch is None
 
 
+def test_triton_column_splits(monkeypatch):
+  """The first column kernel's F loop: splits double until ~4 programs per
+  SM, none left without a chunk; the last may stream fewer."""
+  monkeypatch.setattr(triton_ln, "_num_sms", lambda: 132)
+  assert triton_ln._column_splits(16, 32, 32) == (2, 16)  # [16, 1024, 4096]
+  assert triton_ln._column_splits(64, 2, 128) == (8, 16)  # [64, 4096, 256]
+  assert triton_ln._column_splits(3, 8, 129) == (26, 5)  # [3, 4099, 1000]
+  assert triton_ln._column_splits(1000, 8, 3) == (1, 3)
+  assert triton_ln._column_splits(1, 1, 3) == (3, 1)
+
+
 def test_triton_backward_preference():
   """implementation=None takes the XLA VJP where the Triton one is slower:
-  [pre, F, post] views and f32 x above 8192 features."""
+  [R, F] views of f32 x above 8192 features."""
   vjp = triton_ln.TritonLayerNormVjp()
   def bind(shape, dtype, axis=-1):
     x = jax.ShapeDtypeStruct(shape, dtype)
@@ -414,23 +434,32 @@ def test_triton_backward_preference():
   assert vjp.preferred(bind((64, 8192), F32))
   assert vjp.preferred(bind((64, 16384), BF16))
   assert not vjp.preferred(bind((64, 16384), F32))
-  assert not vjp.preferred(bind((4, 64, 32), BF16, axis=1))
+  assert vjp.preferred(bind((4, 64, 32), BF16, axis=1))
+  assert vjp.preferred(bind((4, 16384, 32), F32, axis=1))
 
 
 @pytest.mark.parametrize("backward", [False, True])
-@pytest.mark.parametrize("features, post, expected", [
-    (1024, 4096, (128, 4)), (4096, 4096, (128, 4)), (16384, 64, (64, 4)),
-    (72, 5, (8, 4)), (77, 1000, (128, 4)),
+@pytest.mark.parametrize("features, post, slab, forward, backward_config", [
+    (1024, 4096, False, (128, 4), (128, 4)), (4096, 4096, False, (128, 4), (128, 4)),
+    (16384, 64, False, (64, 4), (64, 4)), (77, 1000, True, (32, 4), (128, 4)),
+    (72, 5, True, (8, 4), (8, 4)), (1024, 8, True, (8, 4), (8, 4)),
+    (4096, 16, True, (16, 16), (16, 4)),  # slab: 4096 * 16 / 128 = 512 threads
+    (512, 64, True, (32, 4), (64, 4)), (8192, 16, False, (16, 4), (16, 4)),
 ])
-def test_triton_heuristics_non_last_axis(features, post, expected, backward):
-  """[pre, F, post] view, forward and backward: [chunk, block] tiles 128
-  columns wide (fewer if post is smaller), any F."""
+def test_triton_heuristics_non_last_axis(features, post, slab, forward,
+                                         backward_config, backward):
+  """[pre, F, post] view: [chunk, block] tiles 128 columns wide (fewer if
+  post is smaller), any F, for the backward and for the forward unless one
+  [Fp, block] slab holds all of post or F <= 512 (`slab`; up to 32 columns,
+  <= 128 values/thread)."""
+  assert triton_ln._column_forward(post, features) == (not slab)
   h = triton_ln.heuristic_config(16 * post, features, 2, post, backward)
-  assert (h.block_rows, h.num_warps) == expected
+  assert (h.block_rows, h.num_warps) == (backward_config if backward else forward)
   space = triton_ln.search_space(16 * post, features, 2, post, backward)
   assert h in space
   assert all(c.block_rows <= pallas_triton.next_pow2(post) for c in space)
-  assert {c.num_warps for c in space} == {4, 8, 16}
+  if backward or not slab:
+    assert {c.num_warps for c in space} == {4, 8, 16}
 
 
 def _lower_text(fn, *args):
@@ -448,6 +477,8 @@ LOWER_CASES = {
     "no_params": ((1000, 1000), BF16, False, False, True),
     "axis1_of_3": ((16, 4096, 512), BF16, True, True, True, 1),
     "axis0_odd": ((77, 3, 1000), F16, True, False, False, 0),
+    "axis1_one_slab": ((1024, 1024, 8), BF16, True, True, True, 1),
+    "axis1_odd_columns": ((3, 4099, 1000), BF16, True, True, True, 1),
 }
 
 
@@ -470,10 +501,14 @@ def test_triton_lowers_for_cuda(case):
   with tokamax.config.cross_compile("NVIDIA H200"):
     fwd_text = _lower_text(f, x, scale, offset)
     grad_text = _lower_text(grad, x, scale, offset)
-  # [pre, F, post]: two forward kernels (statistics, y) and two backward.
+  # [pre, F, post]: two backward kernels, two forward ones (statistics, y)
+  # unless one slab holds all of post.
   columns = axis not in (-1, len(shape) - 1)
-  assert fwd_text.count(TRITON_TARGET) == (2 if columns else 1)
-  assert grad_text.count(TRITON_TARGET) == (4 if columns else 2)
+  forward = 1
+  if columns and triton_ln._column_forward(math.prod(shape[axis + 1:]), shape[axis]):
+    forward = 2
+  assert fwd_text.count(TRITON_TARGET) == forward
+  assert grad_text.count(TRITON_TARGET) == forward + (2 if columns else 1)
 
 
 def test_triton_cross_compile_dispatch():
@@ -486,10 +521,9 @@ def test_triton_cross_compile_dispatch():
     assert TRITON_TARGET in _lower_text(lambda x, s: tokamax.layer_norm(x, s), x, s)
     xt = jax.ShapeDtypeStruct((256, 64), BF16)
     text = _lower_text(lambda x, s: tokamax.layer_norm(x, s, axis=0), xt, s)
-    assert TRITON_TARGET in text  # [1, 256, 64] view
-    # Its gradient: the XLA VJP under None (faster), the Triton one if named
-    # (two kernels each way).
-    for impl, kernels in ((None, 2), ("triton", 4)):
+    assert text.count(TRITON_TARGET) == 1  # [1, 256, 64] view: one slab
+    # Its gradient: the Triton VJP's two column kernels under None and named.
+    for impl, kernels in ((None, 3), ("triton", 3)):
       grad = jax.grad(lambda x, s: jnp.sum(tokamax.layer_norm(
           x, s, axis=0, implementation=impl).astype(F32)))
       assert _lower_text(grad, xt, s).count(TRITON_TARGET) == kernels

@@ -114,7 +114,8 @@ def standardize_function(
     `arrays`), pulled back from a fixed random cotangent. The cotangent (one
     normal array per floating-point output leaf, drawn from `seed`) is passed
     as trailing inputs so that XLA cannot constant-fold it. Non-floating
-    outputs get no cotangent.
+    outputs get no cotangent. The timed call includes the forward pass that
+    produces the residuals (jax.vjp); only the output is left unused.
   * "forward_and_vjp": as "vjp", but returns `(output, gradients)`.
 
   Args:

@@ -2,12 +2,17 @@
 
 Canonical views (free reshapes, no copies): normalising the last axis (or one
 followed only by size-1 dims) x is [R, F]; any other axis gives [pre, F,
-post]. One program of the forward grid handles `block_rows` normalised vectors:
-a tile [block_rows, Fp] of consecutive rows of [R, F], or a tile [Fp,
-block_rows] of consecutive columns of one [F, post] slice (loads contiguous
-along post), with Fp = next_pow2(F) (Triton blocks are powers of two);
-features >= F and vectors out of range are masked. Statistics and arithmetic
+post]. One program of the [R, F] forward grid handles a tile [block_rows, Fp]
+of consecutive rows (Fp = next_pow2(F): Triton blocks are powers of two;
+features >= F and rows out of range are masked). Statistics and arithmetic
 are in f32.
+
+Forward of [pre, F, post]: where one [Fp, block] slab of columns holds all
+of post (a contiguous block of x) or F <= 512, one kernel over such slabs;
+otherwise two kernels over [chunk, block] tiles whose rows are `block`
+contiguous columns (coalesced whatever F is): per-column mean and M2 merged
+over chunks (Chan et al.), then y. Narrow slabs at large F read rows of a
+few bytes and ran up to 10x slower (`_column_forward`).
 
 Forward (per row): mean = sum(x)/F, xc = x - mean (x for RMS norm),
 rstd = rsqrt(sum(xc^2)/F + eps), y = xc * rstd * (scale + scale_offset) + offset.
@@ -87,9 +92,12 @@ _COLUMN_TILE_BYTES = 8 * 1024
 _COLUMN_BLOCK = 128
 _COLUMN_WARPS = 4
 _SPLIT_PROGRAMS_PER_SM = 4
+# f32 values per thread of the one-kernel [pre, F, post] forward's slabs.
+_SLAB_VALUES_PER_THREAD = 128
 # [pre, F, post] forward by two kernels over the backward's [chunk, block]
-# tiles (statistics, then y) instead of one holding [Fp, block] slabs.
-COLUMN_FORWARD = True
+# tiles (statistics, then y) instead of one holding [Fp, block] slabs: None
+# chooses by shape (`_column_forward`), True / False force either.
+COLUMN_FORWARD: bool | None = None
 # Forward of [R, F] views: (block_rows, warps, programs_per_sm) by the
 # itemsize of x and Fp, the fastest configs on the H200
 # (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md 2026-12-03).
@@ -180,19 +188,19 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
   """Warps by feature size; rows so a program moves ~32 KiB (see module doc);
   measured configs for 16-bit and f32 x at Fp = 512-16384.
 
-  For the [pre, F, post] view: forward tiles of up to 32 columns and the
-  fewest warps that keep <= 128 f32 values per thread (the fastest configs
-  measured on the H200 at [16, 1024, 4096], docs/benchmarks.md); backward
-  [chunk, block] tiles of _COLUMN_BLOCK columns, _COLUMN_WARPS warps.
+  For the [pre, F, post] view: backward, and forward where `_column_forward`,
+  [chunk, block] tiles of _COLUMN_BLOCK columns, _COLUMN_WARPS warps (the
+  fastest measured on the H200, docs/benchmarks.md 2026-12-03); the one-slab
+  forward `_slab_columns` columns and the fewest warps that keep <= 128 f32
+  values per thread.
   """
   fp = _next_pow2(features)
-  if post > 1 and (backward or COLUMN_FORWARD):
+  if post > 1 and (backward or _column_forward(post, features)):
     return TritonLayerNormConfig(block_rows=min(_COLUMN_BLOCK, _next_pow2(post)),
                                  num_warps=_COLUMN_WARPS)
   if post > 1:
-    per_thread = 128
-    block = min(32, _next_pow2(post), _prev_pow2(max(1, per_thread * 32 * 16 // fp)))
-    threads = fp * block // per_thread
+    block = _slab_columns(post, features)
+    threads = fp * block // _SLAB_VALUES_PER_THREAD
     warps = 4 if threads <= 128 else 8 if threads <= 256 else 16
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
   table = (_VJP_CONFIGS if backward else _LOOP_CONFIGS).get(itemsize, {})
@@ -211,6 +219,27 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
       prefetch=0 if backward else None)
 
 
+def _slab_columns(post: int, features: int) -> int:
+  """Columns per [Fp, block] slab of the one-kernel [pre, F, post] forward:
+  up to 32, at most _SLAB_VALUES_PER_THREAD f32 values per thread at 16
+  warps."""
+  fp = _next_pow2(features)
+  per_slab = _SLAB_VALUES_PER_THREAD * 32 * 16 // fp
+  return min(32, _next_pow2(post), _prev_pow2(max(1, per_slab)))
+
+
+def _column_forward(post: int, features: int) -> bool:
+  """Whether the [pre, F, post] forward takes the two column kernels: unless
+  one slab holds all of post (a contiguous [F, post] block of x) or F <= 512
+  (slabs of 32 columns). The rule that matched all 11 shapes measured on the
+  H200 (docs/benchmarks.md 2026-12-04); slabs of fewer columns, or of 32 at
+  larger F, were up to 10x slower (1.30 ms against 0.13 at [64, 4096, 256])."""
+  if COLUMN_FORWARD is not None:
+    return COLUMN_FORWARD
+  covers = _slab_columns(post, features) == _next_pow2(post)
+  return not (covers or _next_pow2(features) <= 512)
+
+
 def _programs_per_sm(block_rows: int, itemsize: int) -> int:
   """Forward [R, F] outside `_LOOP_CONFIGS`: loop (1 program per SM)
   where the f32 scale and offset (8 bytes per feature) outweigh a tile of x,
@@ -224,7 +253,7 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
   """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread;
   backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; backward [pre,
   F, post]: 16-128 columns per tile, 4/8/16 warps."""
-  if post > 1 and (backward or COLUMN_FORWARD):
+  if post > 1 and (backward or _column_forward(post, features)):
     return {TritonLayerNormConfig(block_rows=min(b, _next_pow2(post)), num_warps=w)
             for b, w in itertools.product((16, 32, 64, 128), (4, 8, 16))}
   h = heuristic_config(rows, features, itemsize, post, backward)
@@ -529,8 +558,8 @@ def _column_terms(x_ref, dy_ref, scale_ref, mean, rstd, p, f0, v0, *, features,
   return idx, mask, dy, xhat, g
 
 
-def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
-                     subtract_mean, has_scale, has_offset):
+def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, chunks,
+                     scale_offset, subtract_mean, has_scale, has_offset):
   """[pre, F, post] backward, pass 1. Program (p, c, s) streams `trips`
   feature chunks (s * trips, ...) of columns v0 = c * block.. at pre index p
   and writes their column sums of g * xhat and of g (g = dy * (scale +
@@ -569,7 +598,8 @@ def _bwd_sums_kernel(*refs, features, post, chunk, block, trips, scale_offset,
     return s_gx, s_g
 
   zeros = jnp.zeros((block,), jnp.float32)
-  s_gx, s_g = lax.fori_loop(_i32(0), _i32(trips), body, (zeros, zeros))
+  s_gx, s_g = lax.fori_loop(_i32(0), _split_trips(split, trips, chunks), body,
+                            (zeros, zeros))
   ok = v0 + jnp.arange(block) < post if post % block else None
   pltr.store(sum_gx_ref.at[split, p, pl.ds(v0, block)], s_gx, mask=ok)
   if subtract_mean:
@@ -603,21 +633,28 @@ def _bwd_dx_kernel(*refs, features, post, chunk, block, scale_offset,
   pltr.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
 
 
-def _column_splits(pre: int, blocks: int, chunks: int) -> int:
-  """Programs sharing one column block's F loop in the first kernel of the
-  [pre, F, post] forward and backward: doubled until about
-  _SPLIT_PROGRAMS_PER_SM programs per SM run (a divisor of the chunk count:
-  [pre, blocks] alone can be a few hundred programs of long serial loops,
-  e.g. 256 at [64, 4096, 256])."""
+def _column_splits(pre: int, blocks: int, chunks: int) -> tuple[int, int]:
+  """(splits, trips): programs sharing one column block's F loop in the first
+  kernel of the [pre, F, post] forward and backward, and the most chunks one
+  of them streams. Splits double until about _SPLIT_PROGRAMS_PER_SM programs
+  per SM run ([pre, blocks] alone can be a few dozen programs of long serial
+  loops: 24 at [3, 4099, 1000]); the last split may stream fewer chunks."""
   splits = 1
-  while (chunks % (2 * splits) == 0
-         and pre * blocks * splits < _SPLIT_PROGRAMS_PER_SM * _num_sms()):
+  while splits < chunks and pre * blocks * splits < _SPLIT_PROGRAMS_PER_SM * _num_sms():
     splits *= 2
-  return splits
+  trips = pl.cdiv(chunks, splits)
+  return pl.cdiv(chunks, trips), trips  # no split left without a chunk
+
+
+def _split_trips(split, trips: int, chunks: int):
+  """Chunks streamed by split program `split` (trips; fewer in the last)."""
+  if chunks % trips == 0:
+    return _i32(trips)
+  return jnp.minimum(_i32(trips), _i32(chunks) - split * trips)
 
 
 def _fwd_stats_kernel(x_ref, *out_refs, features, post, chunk, block, trips,
-                      subtract_mean):
+                      chunks, subtract_mean):
   """[pre, F, post] forward, pass 1. Program (p, c, s) streams `trips` feature
   chunks (s * trips, ...) of columns v0 = c * block.. at pre index p and
   writes, per column, to row s of [splits, pre, post] f32 buffers: the mean
@@ -647,7 +684,7 @@ def _fwd_stats_kernel(x_ref, *out_refs, features, post, chunk, block, trips,
     return mean + delta * (n_b / n), m2 + jnp.sum(d * d, axis=0) + delta * delta * (n_a * n_b / n)
 
   zeros = jnp.zeros((block,), jnp.float32)
-  carry = lax.fori_loop(_i32(0), _i32(trips), body,
+  carry = lax.fori_loop(_i32(0), _split_trips(split, trips, chunks), body,
                         (zeros, zeros) if subtract_mean else (zeros,))
   ok = v0 + jnp.arange(block) < post if post % block else None
   for ref, v in zip(out_refs, carry):
@@ -687,12 +724,12 @@ def _fwd_columns(x, scale, offset, view: _View, config, epsilon, scale_offset,
   pre, f, post, block = view.pre, view.features, view.post, view.block
   chunk = _feature_chunk(block, f, jnp.dtype(x.dtype).itemsize)
   blocks, chunks = pl.cdiv(post, block), pl.cdiv(f, chunk)
-  splits = _column_splits(pre, blocks, chunks)
-  trips = chunks // splits
+  splits, trips = _column_splits(pre, blocks, chunks)
   part = jax.ShapeDtypeStruct((splits, pre, post), jnp.float32)
   parts = _pallas_call(
       functools.partial(_fwd_stats_kernel, features=f, post=post, chunk=chunk,
-                        block=block, trips=trips, subtract_mean=subtract_mean),
+                        block=block, trips=trips, chunks=chunks,
+                        subtract_mean=subtract_mean),
       out_shape=[part] * (2 if subtract_mean else 1), grid=(pre, blocks, splits),
       config=config, name="tokamax_layer_norm_fwd_stats",
   )(x)
@@ -729,7 +766,7 @@ def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
   chunk = _feature_chunk(block, f, jnp.dtype(x.dtype).itemsize)
   blocks = pl.cdiv(post, block)
   chunks = pl.cdiv(f, chunk)
-  splits = _column_splits(pre, blocks, chunks)
+  splits, trips = _column_splits(pre, blocks, chunks)
   statics = dict(features=f, post=post, chunk=chunk, block=block,
                  scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                  has_scale=scale is not None)
@@ -741,8 +778,8 @@ def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
   sums_shape = [col_sum] + ([col_sum] if subtract_mean else [])
   parts_shape = ([partial] if scale is not None else []) + ([partial] if has_offset else [])
   outs = _pallas_call(
-      functools.partial(_bwd_sums_kernel, has_offset=has_offset,
-                        trips=chunks // splits, **statics),
+      functools.partial(_bwd_sums_kernel, has_offset=has_offset, trips=trips,
+                        chunks=chunks, **statics),
       out_shape=sums_shape + parts_shape, grid=(pre, blocks, splits),
       config=config, name="tokamax_layer_norm_bwd_sums",
   )(*inputs)
@@ -818,11 +855,13 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
   implementation = "triton"
 
   def preferred(self, ba):
-    # Slower than XLA's on the H200 (docs/benchmarks.md): the [pre, F, post]
-    # backward, and f32 x above 8192 features (0.46 against 1.09 TB/s at
-    # 4096x16384); implementation=None takes the XLA VJP there.
+    # Slower than XLA's on the H200 for [R, F] f32 x above 8192 features
+    # (0.46 against 1.09 TB/s at 4096x16384); implementation=None takes the
+    # XLA VJP there. The [pre, F, post] backward after the Triton forward
+    # beat XLA's VJP after it at 7 of 11 shapes (up to 1.53x, 3 slower by
+    # 0.5-9 %; docs/benchmarks.md 2026-12-04).
     _, f, itemsize, post = _rows_features(ba)
-    return post == 1 and not (itemsize == 4 and f > 8192)
+    return not (post == 1 and itemsize == 4 and f > 8192)
 
   def _fwd(
       self, *, residuals, out, dout, x, scale, offset, axis, epsilon,
@@ -907,7 +946,7 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
       )
     view = _view(x, axis, config.block_rows)
     x_shape, stat_shape = _array_shape(view)
-    if view.is_3d and COLUMN_FORWARD:
+    if view.is_3d and _column_forward(view.post, view.features):
       y, mean, rstd = _fwd_columns(
           x.reshape(x_shape), scale, offset, view, config, float(epsilon),
           scale_offset, subtract_mean)
