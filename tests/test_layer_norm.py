@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from unittest import mock
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -237,6 +238,35 @@ class TestTritonInterpret(LayerNormTestBase):
     with triton_ln.interpret_mode():
       yield
 
+  @hypothesis.settings(max_examples=10, deadline=None)
+  @hypothesis.given(
+      pre=st.integers(1, 3), features=st.integers(1, 100), post=st.integers(2, 40),
+      subtract_mean=st.booleans(), column_forward=st.sampled_from([None, True, False]),
+      programs_per_sm=st.sampled_from([1, 2, 4, 64]),
+  )
+  def test_hypothesis_non_last_axis(self, pre, features, post, subtract_mean,
+                                    column_forward, programs_per_sm):
+    """Random [pre, F, post] views (axis 1) through either forward path (or
+    the shape's rule), 16-feature chunks (up to 7), the F loop unsplit, split
+    evenly or with a shorter last split, vs f64: y and every gradient.
+    epsilon 1e-3: at F = 1 rstd = eps^-1/2 scales the f32 roundoff of
+    g - sum(g) (FMA-contracted) past the gradient tolerance at 1e-6."""
+    with mock.patch.multiple(
+        triton_ln, COLUMN_FORWARD=column_forward, _COLUMN_TILE_BYTES=512,
+        _SPLIT_PROGRAMS_PER_SM=programs_per_sm, _num_sms=lambda: 1):
+      shape = (pre, features, post)
+      x, scale, offset, ct_key = make_inputs(shape, 1, True, True, F32, pre * post)
+      ct = jax.random.normal(ct_key, shape, F32)
+      static = dict(axis=1, subtract_mean=subtract_mean, epsilon=1e-3)
+      y, pullback = jax.vjp(lambda *a: self.layer_norm(*a, **static), x, scale, offset)
+      grads = pullback(ct)
+    ref, ref_pullback = jax.vjp(lambda *a: reference.layer_norm(*a, **static),
+                                *map(reference.f64, (x, scale, offset)))
+    reference.assert_close(y, ref, 2e-5, "forward")
+    for name, g, r in zip(("dx", "dscale", "doffset"), grads,
+                          ref_pullback(reference.f64(ct))):
+      reference.assert_close(g, r, 1e-4, name)
+
   def test_statistics_of_columns_with_jumping_means_in_slabs(self, monkeypatch):
     """The base's column test through the one-kernel [Fp, block] forward."""
     monkeypatch.setattr(triton_ln, "COLUMN_FORWARD", False)
@@ -245,15 +275,16 @@ class TestTritonInterpret(LayerNormTestBase):
   @pytest.mark.parametrize("subtract_mean, tile_bytes", [
       (True, 512), (False, 512), (True, 16 * 1024)])
   @pytest.mark.parametrize("shape, axis", [((7, 45, 37), 1), ((45, 3, 37), 0),
-                                           ((3, 64, 37), 1)])
+                                           ((7, 48, 37), 1)])
   @pytest.mark.parametrize("column_forward", [True, False])
   def test_non_last_axis_blocks_and_chunks(self, monkeypatch, shape, axis,
                                            subtract_mean, tile_bytes, column_forward):
     """[pre, F, post] view: column blocks not dividing post, F not a power of
-    2; feature chunks of the column kernels: 16 features of 45 (three chunks,
-    the last partial; 512-byte tiles of 8 f32 columns) or one chunk of 64; the
-    chunk loop split over programs (F = 45: 2, the last streaming one chunk;
-    F = 64: 4 of one chunk). Forward by the column kernels or by slabs."""
+    2; feature chunks of the column kernels: 16 features (512-byte tiles of 8
+    f32 columns) of 45 (the last chunk partial) or 48, or one chunk of 64;
+    the chunk loop split over programs: 2 at F = 45 and 48 (the last
+    streaming one chunk; at 48 no feature mask stops a trip too many), 3 of
+    one chunk at [45, 111]. Forward by the column kernels or by slabs."""
     monkeypatch.setattr(triton_ln, "_COLUMN_TILE_BYTES", tile_bytes)
     monkeypatch.setattr(triton_ln, "COLUMN_FORWARD", column_forward)
     # Split the chunk loop: 64 programs wanted on one "SM".
