@@ -533,7 +533,7 @@ def test_triton_lowers_for_cuda(case):
     fwd_text = _lower_text(f, x, scale, offset)
     grad_text = _lower_text(grad, x, scale, offset)
   # [pre, F, post]: two backward kernels, two forward ones (statistics, y)
-  # unless one slab holds all of post.
+  # unless one slab holds all of post or F <= 512.
   columns = axis not in (-1, len(shape) - 1)
   forward = 1
   if columns and triton_ln._column_forward(math.prod(shape[axis + 1:]), shape[axis]):

@@ -251,8 +251,9 @@ def _programs_per_sm(block_rows: int, itemsize: int) -> int:
 def search_space(rows: int, features: int, itemsize: int, post: int = 1,
                  backward: bool = False) -> set[TritonLayerNormConfig]:
   """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread;
-  backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; backward [pre,
-  F, post]: 16-128 columns per tile, 4/8/16 warps."""
+  backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; the [pre, F,
+  post] column kernels (backward, and forward where `_column_forward`):
+  16-128 columns per tile, 4/8/16 warps."""
   if post > 1 and (backward or _column_forward(post, features)):
     return {TritonLayerNormConfig(block_rows=min(b, _next_pow2(post)), num_warps=w)
             for b, w in itertools.product((16, 32, 64, 128), (4, 8, 16))}
