@@ -3,8 +3,8 @@
 Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [TILE_BYTES=8192,16384] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
 x bf16 (or X_DTYPE), f32 scale and offset, mode "vjp" (the forward that
 saves the statistics, then dx, dscale, doffset; y unused), TB/s of x and
-dy read + dx written (so below the backward's own rate), for every (block_rows, warps, programs_per_sm, prefetch) with 4-64
-values per thread and prefetch in PREFETCH (default 0,1: blocks loaded 0 or
+dy read + dx written (so below the backward's own rate), for every
+(block_rows, warps, programs_per_sm, prefetch) with 4-64 values per thread and prefetch in PREFETCH (default 0,1: blocks loaded 0 or
 1 loop trips ahead) (none with ONLY_SHIPPED=1); the shipped config ("triton
 shipped": heuristic or shipped cache entry) and XLA in the same run.
 SHAPES: comma-separated "8192x8192,65536x1024" (default both); a shape of

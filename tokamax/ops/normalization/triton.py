@@ -195,7 +195,7 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
   values per thread.
   """
   fp = _next_pow2(features)
-  if post > 1 and (backward or _column_forward(post, features)):
+  if _column_tiles(post, features, backward):
     return TritonLayerNormConfig(block_rows=min(_COLUMN_BLOCK, _next_pow2(post)),
                                  num_warps=_COLUMN_WARPS)
   if post > 1:
@@ -240,6 +240,12 @@ def _column_forward(post: int, features: int) -> bool:
   return not (covers or _next_pow2(features) <= 512)
 
 
+def _column_tiles(post: int, features: int, backward: bool) -> bool:
+  """Whether a [pre, F, post] pass runs the [chunk, block] column kernels
+  (the backward always, the forward where `_column_forward`)."""
+  return post > 1 and (backward or _column_forward(post, features))
+
+
 def _programs_per_sm(block_rows: int, itemsize: int) -> int:
   """Forward [R, F] outside `_LOOP_CONFIGS`: loop (1 program per SM)
   where the f32 scale and offset (8 bytes per feature) outweigh a tile of x,
@@ -254,7 +260,7 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
   backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; the [pre, F,
   post] column kernels (backward, and forward where `_column_forward`):
   16-128 columns per tile, 4/8/16 warps."""
-  if post > 1 and (backward or _column_forward(post, features)):
+  if _column_tiles(post, features, backward):
     return {TritonLayerNormConfig(block_rows=min(b, _next_pow2(post)), num_warps=w)
             for b, w in itertools.product((16, 32, 64, 128), (4, 8, 16))}
   h = heuristic_config(rows, features, itemsize, post, backward)
@@ -647,6 +653,14 @@ def _column_splits(pre: int, blocks: int, chunks: int) -> tuple[int, int]:
   return pl.cdiv(chunks, trips), trips  # no split left without a chunk
 
 
+def _column_layout(view: _View, dtype):
+  """(chunk, column blocks, chunks, splits, trips) of the [pre, F, post]
+  column kernels for x of `dtype`."""
+  chunk = _feature_chunk(view.block, view.features, jnp.dtype(dtype).itemsize)
+  blocks, chunks = pl.cdiv(view.post, view.block), pl.cdiv(view.features, chunk)
+  return (chunk, blocks, chunks, *_column_splits(view.pre, blocks, chunks))
+
+
 def _split_trips(split, trips: int, chunks: int):
   """Chunks streamed by split program `split` (trips; fewer in the last)."""
   if chunks % trips == 0:
@@ -723,9 +737,7 @@ def _fwd_columns(x, scale, offset, view: _View, config, epsilon, scale_offset,
   statistics): two kernels streaming coalesced [chunk, block] tiles (any F; x
   read twice, y written once)."""
   pre, f, post, block = view.pre, view.features, view.post, view.block
-  chunk = _feature_chunk(block, f, jnp.dtype(x.dtype).itemsize)
-  blocks, chunks = pl.cdiv(post, block), pl.cdiv(f, chunk)
-  splits, trips = _column_splits(pre, blocks, chunks)
+  chunk, blocks, chunks, splits, trips = _column_layout(view, x.dtype)
   part = jax.ShapeDtypeStruct((splits, pre, post), jnp.float32)
   parts = _pallas_call(
       functools.partial(_fwd_stats_kernel, features=f, post=post, chunk=chunk,
@@ -762,12 +774,8 @@ def _bwd_columns(x, dout, mean, rstd, scale, view: _View, config, scale_offset,
   """dx [pre, F, post] and the dscale/doffset partials of the [pre, F, post]
   backward: two kernels, each streaming coalesced [chunk, block] tiles (any
   F; x and dy read twice, dx written once)."""
-  pre, f, post = view.pre, view.features, view.post
-  block = view.block
-  chunk = _feature_chunk(block, f, jnp.dtype(x.dtype).itemsize)
-  blocks = pl.cdiv(post, block)
-  chunks = pl.cdiv(f, chunk)
-  splits, trips = _column_splits(pre, blocks, chunks)
+  pre, f, post, block = view.pre, view.features, view.post, view.block
+  chunk, blocks, chunks, splits, trips = _column_layout(view, x.dtype)
   statics = dict(features=f, post=post, chunk=chunk, block=block,
                  scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                  has_scale=scale is not None)
