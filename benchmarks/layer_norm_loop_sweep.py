@@ -1,6 +1,6 @@
 """Sweeps the looping layer_norm forward (programs_per_sm > 0) on the GPU.
 
-Usage: [X_DTYPE=float32] [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=4,8] [PPS=1,2] [DEPTHS=1] \
+Usage: [X_DTYPE=float32] [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=4,8] [PPS=1,2] [DEPTHS=1] [LOOP_STAGES=0,3] \
   python benchmarks/layer_norm_loop_sweep.py [OUT_DIR] [FLAG=A,B,...|sweep:FLAG=A] [SHAPES]
 x bf16 (or X_DTYPE) 8192x8192 and 65536x1024, scale and offset f32 (or PARAM_DTYPE),
 forward only, TB/s of
@@ -67,6 +67,7 @@ def main(out_dir=".", flag="", shapes=""):
 
   loops = only("PPS", LOOPS, key=lambda l: l[0])
   depths = [int(d) for d in os.environ.get("DEPTHS", ",".join(map(str, DEPTHS))).split(",")]
+  loop_stages = [int(s) for s in os.environ.get("LOOP_STAGES", "0").split(",")]
   dtypes = dict(param_dtype=param_dtype.name, x_dtype=x_dtype.name)
   for (r, f), (blocks, warps) in SHAPES.items():
     if f"{r}x{f}" not in (shapes or DEFAULT_SHAPES).split(","):
@@ -95,13 +96,19 @@ def main(out_dir=".", flag="", shapes=""):
                ms=ms, tbps=tb(ms), **dtypes)
       setattr(tr, flag_name, default_value)
       continue
-    for block, w, (pps, stages), prefetch in itertools.product(
-        only("BLOCKS", blocks), only("WARPS", warps), loops, sorted({0, *depths})):
+    for block, w, (pps, stages), prefetch, ls in itertools.product(
+        only("BLOCKS", blocks), only("WARPS", warps), loops, sorted({0, *depths}),
+        loop_stages):
       per_thread = block * f / (32 * w)
-      if not 4 <= per_thread <= 64 or (prefetch if not pps else prefetch not in depths):
+      if not 4 <= per_thread <= 64:
+        continue
+      if ls:  # pipelined by Triton: looping programs without register prefetch
+        if prefetch or not pps:
+          continue
+      elif prefetch if not pps else prefetch not in depths:
         continue
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps,
-                                     num_stages=stages, prefetch=prefetch)
+                                     num_stages=stages, prefetch=prefetch, loop_stages=ls)
       op = tr.TritonLayerNorm(config=cfg)
       try:
         ms = common.median_ms(lambda x, s, o: op(x, s, o), (x, p, p))
@@ -109,7 +116,7 @@ def main(out_dir=".", flag="", shapes=""):
         record(shape=f"{r}x{f}", config=str(cfg), error=str(e)[:200])
         continue
       record(shape=f"{r}x{f}", block_rows=block, warps=w, programs_per_sm=pps,
-             stages=stages, prefetch_depth=prefetch, ms=ms, tbps=tb(ms),
+             stages=stages, prefetch_depth=prefetch, loop_stages=ls, ms=ms, tbps=tb(ms),
              **dtypes,
              **{name: getattr(tr, name) for name in swept})
   for name, value in swept.items():

@@ -1,11 +1,12 @@
 """Sweeps the layer_norm "triton" backward ([R, F] views) on the GPU.
 
-Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [TILE_BYTES=8192,16384] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
+Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [LOOP_STAGES=0,3] [BLOCKS=1,2] [TILE_BYTES=8192,16384] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
 x bf16 (or X_DTYPE), f32 scale and offset, mode "vjp" (the forward that
 saves the statistics, then dx, dscale, doffset; y unused), TB/s of x and
 dy read + dx written (so below the backward's own rate), for every
 (block_rows, warps, programs_per_sm, prefetch) with 4-64 values per thread and prefetch in PREFETCH (default 0,1: blocks loaded 0 or
-1 loop trips ahead) (none with ONLY_SHIPPED=1); the shipped config ("triton
+1 loop trips ahead) and loop_stages in LOOP_STAGES (default 0; stages > 0
+with prefetch 0 only) (none with ONLY_SHIPPED=1); the shipped config ("triton
 shipped": heuristic or shipped cache entry) and XLA in the same run.
 SHAPES: comma-separated "8192x8192,65536x1024" (default both); a shape of
 three dims "PRExFxPOST" is normalised over axis 1 (the [pre, F, post]
@@ -40,6 +41,8 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
   x_dtype = jnp.dtype(os.environ.get("X_DTYPE", "bfloat16"))
   pps_values = [int(v) for v in os.environ.get("PPS", ",".join(map(str, PPS))).split(",")]
   prefetch_values = [int(v) for v in os.environ.get("PREFETCH", "0,1").split(",")]
+  stage_values = [int(v) for v in os.environ.get("LOOP_STAGES", "0").split(",")]
+  blocks = [int(v) for v in os.environ.get("BLOCKS", ",".join(map(str, BLOCKS))).split(",")]
   rows = []
 
   def record(**r):
@@ -65,12 +68,12 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
       _column_sweep(record, shape, axis, x, p, tb, r, f, dims[2])
       continue
     configs = () if os.environ.get("ONLY_SHIPPED") else itertools.product(
-        BLOCKS, WARPS, pps_values, prefetch_values)
-    for block, w, pps, prefetch in configs:
-      if not 4 <= block * f / (32 * w) <= 64 or block > vectors:
+        blocks, WARPS, pps_values, prefetch_values, stage_values)
+    for block, w, pps, prefetch, ls in configs:
+      if not 4 <= block * f / (32 * w) <= 64 or block > vectors or (ls and prefetch):
         continue
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps,
-                                     prefetch=prefetch)
+                                     prefetch=prefetch, loop_stages=ls)
       op = tr.TritonLayerNorm(vjp=tr.TritonLayerNormVjp(config=cfg))
       try:
         ms = _vjp_ms(lambda x, s, o: op(x, s, o, axis=axis), (x, p, p))
@@ -78,7 +81,7 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
         record(shape=shape, config=str(cfg), error=str(e)[:200])
         continue
       record(shape=shape, block_rows=block, warps=w, programs_per_sm=pps,
-             vjp_prefetch=prefetch, ms=ms, tbps=tb(ms))
+             vjp_prefetch=prefetch, loop_stages=ls, ms=ms, tbps=tb(ms))
   common.save(out_dir, "layer_norm_vjp_sweep", rows)
 
 

@@ -5,7 +5,8 @@ Usage: TOKAMAX_CACHE_DIR=tokamax/data/autotuning python benchmarks/tune_shipped.
 layer_norm x 8192x8192 and 65536x1024 bf16 with f32 scale and offset; the
 seed attention shape, causal and not, with "xla_chunked"; the "mosaic"
 forward at the attention benchmark shapes (TUNE=mosaic: only those;
-TUNE=mosaic_seed: only the seed shape, causal and not).
+TUNE=mosaic_seed: only the seed shape, causal and not; TUNE=layer_norm: only
+the two layer_norm shapes).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def main():
     tune_mosaic(MOSAIC_SHAPES[:1])
     return
   on_gpu = jax.default_backend() == "gpu"
+  if os.environ.get("TUNE") == "layer_norm":
+    tune_layer_norm(on_gpu)
+    return
   x, scale = common.seed_inputs(demo)
   impls = demo.runnable_implementations(x, scale, log=lambda *_: None)
   _tune("seed f_grad", jax.jit(jax.grad(demo.make_loss(impls))), x, scale)
@@ -71,7 +75,12 @@ def main():
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
   _tune("attention causal", attention_grad(True), x, x, x)
+  tune_layer_norm(on_gpu)
+  if on_gpu:
+    tune_mosaic()
 
+
+def tune_layer_norm(on_gpu):
   rows = 1 if on_gpu else 64
   for shape in ((8192 // rows, 8192), (65536 // rows, 1024)):
     ln_x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
@@ -79,9 +88,8 @@ def main():
     impl = "triton" if on_gpu else "xla"
     ln_loss = lambda x, s, o: jnp.sum(
         tokamax.layer_norm(x, s, o, implementation=impl).astype(jnp.float32))
-    _tune(f"layer_norm {shape}", jax.jit(jax.grad(ln_loss, argnums=(0, 1, 2))), ln_x, p, p)
-  if on_gpu:
-    tune_mosaic()
+    _tune(f"layer_norm {shape}", jax.jit(jax.grad(ln_loss, argnums=(0, 1, 2))), ln_x, p, p,
+          iterations=20)
 
 
 if __name__ == "__main__":

@@ -337,6 +337,9 @@ def test_shipped_h200_configs_load_and_apply_when_cross_compiling(monkeypatch, r
   for f in files:
     result = tokamax.AutotuningResult.load(f)
     assert result.device_kind == "NVIDIA H200" and result.entries
+  # The shipped entries are the measured heuristic configs' at these shapes;
+  # with loop stages forced off the heuristics differ from them.
+  monkeypatch.setattr(ln_triton, "HEURISTIC_LOOP_STAGES", 0)
   x = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
   p = jax.ShapeDtypeStruct((8192,), jnp.float32)
   resolved.clear()
@@ -347,7 +350,7 @@ def test_shipped_h200_configs_load_and_apply_when_cross_compiling(monkeypatch, r
       ln_triton.TritonLayerNorm().bind(x, p, p))
   assert config != heuristic  # the tuned config, not the heuristic one
   assert config == ln_triton.TritonLayerNormConfig(
-      block_rows=2, num_warps=8, programs_per_sm=1, num_stages=2)
+      block_rows=2, num_warps=8, programs_per_sm=1, prefetch=0, loop_stages=3)
 
   # The VJP op's shipped config too (its key leaves out residuals).
   x = jax.ShapeDtypeStruct((65536, 1024), jnp.bfloat16)
@@ -359,7 +362,7 @@ def test_shipped_h200_configs_load_and_apply_when_cross_compiling(monkeypatch, r
     jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), x, p, p)
   (vjp_config,) = [c for cls, c in resolved if cls is ln_triton.TritonLayerNormVjp]
   assert vjp_config == ln_triton.TritonLayerNormConfig(
-      block_rows=2, num_warps=4, programs_per_sm=4, prefetch=1)
+      block_rows=4, num_warps=4, programs_per_sm=2, prefetch=0, loop_stages=3)
   vjp_op = ln_triton.TritonLayerNormVjp()
   assert vjp_config != vjp_op._get_heuristics_config(ln_triton.TritonLayerNorm().bind(x, p, p))
 
@@ -429,16 +432,16 @@ def test_triton_layer_norm_takes_its_heuristic_not_the_nearest_shape(monkeypatch
       resolved.clear()
       jax.eval_shape(f, jax.ShapeDtypeStruct(shape, jnp.bfloat16), p)
       (config,) = [c for cls, c in resolved if cls is ln_triton.TritonLayerNorm]
+      shipped = ln_triton.TritonLayerNormConfig(
+          block_rows=2, num_warps=8, programs_per_sm=1, prefetch=0, loop_stages=3)
       if shape == (8192, 8192):  # the shipped entry
-        assert config == ln_triton.TritonLayerNormConfig(
-            block_rows=2, num_warps=8, programs_per_sm=1)
+        assert config == shipped
       else:
         assert config == ln_triton.heuristic_config(*shape, 2)
-        assert config != ln_triton.TritonLayerNormConfig(
-            block_rows=2, num_warps=8, programs_per_sm=1)
+        assert config != shipped
 
-  # The backward likewise (shipped 65536x1024 entry: 2 rows, 4 warps, 4 per
-  # SM, prefetch 1; the nearest shape of 32768x2048).
+  # The backward likewise (shipped 65536x1024 entry: 4 rows, 4 warps, 2 per
+  # SM, loop stages 3; the nearest shape of 32768x2048).
   grad = jax.grad(lambda x, s: jnp.sum(f(x, s).astype(jnp.float32)))
   s1 = jax.ShapeDtypeStruct((1024,), jnp.float32)
   with tokamax.config.cross_compile("NVIDIA H200"):
@@ -447,7 +450,7 @@ def test_triton_layer_norm_takes_its_heuristic_not_the_nearest_shape(monkeypatch
       jax.eval_shape(grad, jax.ShapeDtypeStruct(shape, jnp.bfloat16), p)
       (config,) = [c for cls, c in resolved if cls is ln_triton.TritonLayerNormVjp]
       shipped = ln_triton.TritonLayerNormConfig(
-          block_rows=2, num_warps=4, programs_per_sm=4, prefetch=1)
+          block_rows=4, num_warps=4, programs_per_sm=2, prefetch=0, loop_stages=3)
       if shape == (65536, 1024):
         assert config == shipped
       else:

@@ -317,21 +317,23 @@ class TestTritonInterpret(LayerNormTestBase):
     with pytest.raises(NotImplementedError, match="triton.*16384"):
       jax.eval_shape(self.layer_norm, x)
 
-  @pytest.mark.parametrize("programs_per_sm, prefetch", [
-      (0, 1), (2, 1), (3, 0), (3, 1), (3, 2)])
+  @pytest.mark.parametrize("programs_per_sm, prefetch, loop_stages", [
+      (0, 1, 0), (2, 1, 0), (3, 0, 0), (3, 1, 0), (3, 2, 0), (3, 0, 3)])
   @pytest.mark.parametrize("subtract_mean", [True, False])
   def test_pinned_config_masked_rows_and_loop(self, monkeypatch, subtract_mean,
-                                              programs_per_sm, prefetch):
+                                              programs_per_sm, prefetch, loop_stages):
     """block_rows not dividing R, F not a power of 2, >1 backward loop trip;
     a looping forward (programs_per_sm > 0) with trips past the last tile,
-    loading 0-2 tiles ahead (config.prefetch, forward and backward)."""
+    loading 0-2 tiles ahead (config.prefetch, forward and backward), or
+    with loop_stages (named kernels; interpret mode ignores the schedule)."""
     # Backward with 1 "SM" and 4 warps: at most 8 programs (programs_per_sm
     # 0): 19 row blocks of 2 rows -> 3 loop trips over 7 programs (the last
     # ones partly masked); 2 or 3 per "SM" caps them: 10 / 7 trips.
     # Forward with 3 programs per "SM": 7 trips over 3 programs (2 masked).
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
     config = triton_ln.TritonLayerNormConfig(
-        block_rows=2, num_warps=4, programs_per_sm=programs_per_sm, prefetch=prefetch)
+        block_rows=2, num_warps=4, programs_per_sm=programs_per_sm, prefetch=prefetch,
+        loop_stages=loop_stages)
     op = triton_ln.TritonLayerNorm(
         config=config, vjp=triton_ln.TritonLayerNormVjp(config=config)
     )
@@ -380,68 +382,90 @@ def test_triton_config_validation():
   assert Config(block_rows=4, num_warps=8).block_rows == 4
   for bad in (dict(block_rows=3), dict(block_rows=0), dict(num_warps=6),
               dict(num_warps=-4), dict(num_warps=64), dict(programs_per_sm=-1),
-              dict(num_stages=0), dict(prefetch=-1)):
-    with pytest.raises(Exception, match="block_rows|num_warps|programs_per_sm|num_stages|prefetch"):
+              dict(num_stages=0), dict(prefetch=-1), dict(loop_stages=1),
+              dict(loop_stages=-2)):
+    with pytest.raises(Exception, match="block_rows|num_warps|programs_per_sm|num_stages|prefetch|loop_stages"):
       Config(**bad)
 
 
 @pytest.mark.parametrize("rows, features, itemsize, expected", [
-    (8192, 8192, 2, (1, 4, 2)),
-    (3, 5000, 2, (1, 4, 2)),
-    (16384, 4096, 2, (2, 16, 2)),
-    (1, 4096, 2, (1, 16, 2)),
-    (4096, 16384, 2, (1, 8, 1)),
-    (8192, 8192, 4, (2, 16, 1)),
-    (16384, 4096, 4, (1, 16, 2)),
-    (32768, 2000, 4, (1, 8, 4)),
-    (131072, 512, 4, (4, 4, 0)),
-    (65536, 1024, 2, (4, 8, 8)),
-    (32768, 2000, 2, (2, 8, 8)),
-    (65536, 1024, 4, (2, 16, 4)),
-    (65536, 256, 4, (16, 4, 0)),
-    (4096, 256, 2, (16, 4, 0)),
-    (100, 256, 2, (16, 4, 0)),
-    (132, 96, 4, (32, 4, 0)),
-    (3, 77, 2, (4, 4, 0)),
-    (7, 16384, 4, (1, 16, 1)),
+    (8192, 8192, 2, (2, 8, 1, 3)),
+    (3, 5000, 2, (2, 8, 1, 3)),
+    (16384, 4096, 2, (2, 16, 2, 3)),
+    (1, 4096, 2, (1, 16, 2, 3)),
+    (4096, 16384, 2, (1, 8, 1, 3)),
+    (8192, 8192, 4, (2, 16, 1, 0)),
+    (16384, 4096, 4, (1, 16, 2, 0)),
+    (32768, 2000, 4, (1, 8, 4, 0)),
+    (131072, 512, 4, (4, 4, 0, 0)),
+    (65536, 1024, 2, (8, 4, 2, 3)),
+    (32768, 2000, 2, (4, 8, 2, 3)),
+    (131072, 512, 2, (8, 8, 8, 0)),
+    (65536, 1024, 4, (2, 16, 4, 0)),
+    (65536, 256, 4, (16, 4, 0, 0)),
+    (4096, 256, 2, (16, 4, 0, 0)),
+    (100, 256, 2, (16, 4, 0, 0)),
+    (132, 96, 4, (32, 4, 0, 0)),
+    (3, 77, 2, (4, 4, 0, 0)),
+    (7, 16384, 4, (1, 16, 1, 0)),
 ])
 def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
-  """(block_rows, warps, programs_per_sm): the forward loops over row tiles
-  where the f32 scale/offset outweigh a tile of x (1-row tiles) and for
-  16-bit and f32 x at Fp = 512-16384 (measured configs)."""
+  """(block_rows, warps, programs_per_sm, loop_stages): the forward loops
+  over row tiles where the f32 scale/offset outweigh a tile of x (1-row
+  tiles) and for 16-bit and f32 x at Fp = 512-16384 (measured configs;
+  loads pipelined by Triton, without register prefetch, where loop_stages)."""
   h = triton_ln.heuristic_config(rows, features, itemsize)
-  assert (h.block_rows, h.num_warps, h.programs_per_sm) == expected
+  assert (h.block_rows, h.num_warps, h.programs_per_sm, h.loop_stages) == expected
+  assert h.prefetch == (0 if h.loop_stages else None)
   space = triton_ln.search_space(rows, features, itemsize)
   assert h in space
   assert all(c.block_rows <= max(1, 2 * rows) for c in space)
   assert {c.programs_per_sm for c in space} == {0, 1, 2, 4, 8}
+  # Loop stages only for looping programs, without register prefetch.
+  assert {c.loop_stages for c in space} == {0, 3}
+  assert all(c.programs_per_sm and c.prefetch == 0 for c in space if c.loop_stages)
   hb = triton_ln.heuristic_config(rows, features, itemsize, backward=True)
   space_b = triton_ln.search_space(rows, features, itemsize, backward=True)
   assert hb in space_b
   assert {c.programs_per_sm for c in space_b} == {0, 1, 2, 4}
+  assert {(c.prefetch, c.loop_stages) for c in space_b} >= {(0, 0), (1, 0), (0, 3)}
   if rows >= 64:
     assert len(space) >= 3
 
 
 @pytest.mark.parametrize("rows, features, itemsize, expected", [
-    (8192, 8192, 2, (1, 16, 1, 1)),
-    (8192, 8192, 4, (1, 8, 1, 1)),
-    (65536, 1024, 2, (1, 4, 0, 0)),
-    (32768, 2048, 2, (1, 8, 0, 0)),
-    (131072, 512, 2, (4, 4, 4, 0)),
-    (65536, 1000, 4, (2, 8, 0, 0)),
-    (4096, 16384, 4, (1, 16, 0, 0)),
-    (100, 256, 2, (16, 4, 0, 0)),
+    (8192, 8192, 2, (1, 8, 1, 0, 3)),
+    (8192, 8192, 4, (1, 8, 1, 1, 0)),
+    (65536, 1024, 2, (4, 4, 2, 0, 3)),
+    (32768, 2048, 2, (2, 4, 2, 0, 3)),
+    (131072, 512, 2, (32, 8, 1, 0, 3)),
+    (65536, 1000, 4, (2, 8, 0, 0, 0)),
+    (4096, 16384, 4, (1, 16, 0, 0, 0)),
+    (100, 256, 2, (16, 4, 0, 0, 0)),
 ])
 def test_triton_backward_heuristics(rows, features, itemsize, expected):
-  """(block_rows, warps, programs_per_sm, prefetch) of the [R, F] backward:
-  measured configs at Fp = 512-16384, the rule elsewhere; its search space
-  tries prefetch 0 and 1."""
+  """(block_rows, warps, programs_per_sm, prefetch, loop_stages) of the
+  [R, F] backward: measured configs at Fp = 512-16384, the rule elsewhere;
+  its search space tries prefetch 0 and 1 and loop stages 0 and 3."""
   h = triton_ln.heuristic_config(rows, features, itemsize, backward=True)
-  assert (h.block_rows, h.num_warps, h.programs_per_sm, h.prefetch) == expected
+  assert (h.block_rows, h.num_warps, h.programs_per_sm, h.prefetch,
+          h.loop_stages) == expected
   space = triton_ln.search_space(rows, features, itemsize, backward=True)
   assert h in space and {c.prefetch for c in space} == {0, 1}
-  assert triton_ln.heuristic_config(rows, features, itemsize).prefetch is None
+  assert {c.loop_stages for c in space} == {0, 3}
+
+
+def test_triton_heuristic_loop_stages_switch(monkeypatch):
+  """HEURISTIC_LOOP_STAGES forces loop_stages on every heuristic config (A/B
+  runs): n >= 2 without register prefetch, 0 off (the module's prefetch)."""
+  monkeypatch.setattr(triton_ln, "HEURISTIC_LOOP_STAGES", 4)
+  for args in ((8192, 8192, 2), (131072, 512, 2), (100, 256, 4), (64, 4096, 2, 256)):
+    for backward in (False, True):
+      h = triton_ln.heuristic_config(*args, backward=backward)
+      assert (h.loop_stages, h.prefetch) == (4, 0)
+  monkeypatch.setattr(triton_ln, "HEURISTIC_LOOP_STAGES", 0)
+  h = triton_ln.heuristic_config(8192, 8192, 2)
+  assert (h.block_rows, h.num_warps, h.loop_stages, h.prefetch) == (2, 8, 0, None)
 
 
 def test_triton_column_splits(monkeypatch):
@@ -482,15 +506,21 @@ def test_triton_heuristics_non_last_axis(features, post, slab, forward,
   """[pre, F, post] view: [chunk, block] tiles 128 columns wide (fewer if
   post is smaller), any F, for the backward and for the forward unless one
   [Fp, block] slab holds all of post or F <= 512 (`slab`; up to 32 columns,
-  <= 128 values/thread)."""
+  <= 128 values/thread). The column kernels' loops are pipelined by Triton
+  (loop_stages 3; the slab kernel has no loop)."""
   assert triton_ln._column_forward(post, features) == (not slab)
   h = triton_ln.heuristic_config(16 * post, features, 2, post, backward)
   assert (h.block_rows, h.num_warps) == (backward_config if backward else forward)
+  columns = backward or not slab
+  assert h.loop_stages == (3 if columns else 0)
   space = triton_ln.search_space(16 * post, features, 2, post, backward)
   assert h in space
   assert all(c.block_rows <= pallas_triton.next_pow2(post) for c in space)
-  if backward or not slab:
+  if columns:
     assert {c.num_warps for c in space} == {4, 8, 16}
+    assert {c.loop_stages for c in space} == {0, 3}
+  else:
+    assert {c.loop_stages for c in space} == {0}
 
 
 def _lower_text(fn, *args):
@@ -540,6 +570,47 @@ def test_triton_lowers_for_cuda(case):
     forward = 2
   assert fwd_text.count(TRITON_TARGET) == forward
   assert grad_text.count(TRITON_TARGET) == forward + (2 if columns else 1)
+
+
+@pytest.mark.parametrize("shape, axis", [((8192, 8192), -1), ((16, 1024, 4096), 1)])
+def test_triton_loop_stages_lowering(monkeypatch, shape, axis):
+  """config.loop_stages puts Triton's tt.num_stages on every loop of every
+  kernel the config launches (forward and backward), and nowhere else."""
+  modules = []
+  set_stages = pallas_triton._set_loop_stages
+
+  def spy(module, stages):
+    set_stages(module, stages)
+    modules.append(module.operation.get_asm())
+
+  monkeypatch.setattr(pallas_triton, "_set_loop_stages", spy)
+  config = triton_ln.TritonLayerNormConfig(
+      block_rows=2 if axis == -1 else 32, num_warps=8,
+      programs_per_sm=1 if axis == -1 else 0, prefetch=0, loop_stages=3)
+  op = triton_ln.TritonLayerNorm(config=config,
+                                 vjp=triton_ln.TritonLayerNormVjp(config=config))
+  x = jax.ShapeDtypeStruct(shape, BF16)
+  p = jax.ShapeDtypeStruct((shape[axis],), F32)
+  grad = jax.grad(lambda *a: jnp.sum(op(*a, axis=axis).astype(F32)), argnums=(0, 1, 2))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(grad, x, p, p)
+  kernels = 2  # [R, F]: the forward (saving statistics) and the backward
+  if axis != -1:  # [pre, F, post]: two backward kernels, forward by `_column_forward`
+    kernels = 2 + (2 if triton_ln._column_forward(shape[2], shape[1]) else 1)
+  assert text.count(TRITON_TARGET) == kernels
+  assert len(modules) == kernels
+  for asm in modules:
+    assert asm.count("tt.num_stages = 3 : i32") == asm.count("scf.for")
+  assert sum("scf.for" in asm for asm in modules) >= 2  # a forward and a backward loop
+  # Without loop_stages no loop gets the attribute.
+  modules.clear()
+  plain = triton_ln.TritonLayerNorm(
+      config=dataclasses.replace(config, loop_stages=0),
+      vjp=triton_ln.TritonLayerNormVjp(config=dataclasses.replace(config, loop_stages=0)))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    _lower_text(jax.grad(lambda *a: jnp.sum(plain(*a, axis=axis).astype(F32)),
+                         argnums=(0, 1, 2)), x, p, p)
+  assert not modules
 
 
 def test_triton_cross_compile_dispatch():
@@ -675,6 +746,23 @@ def test_triton_gpu_column_backward(shape, block_rows, warps, subtract_mean):
     config = triton_ln.TritonLayerNormConfig(block_rows=block_rows, num_warps=warps)
   op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(config=config))
   check_against_f64(op, (x, scale, offset), ct, axis=1, subtract_mean=subtract_mean)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, block_rows, warps, programs_per_sm, loop_stages", [
+    ((8192, 8192), 2, 8, 1, 3), ((8192, 8192), 1, 16, 1, 4),
+    ((65536 + 3, 1024), 4, 8, 4, 3), ((1000, 3000), 1, 8, 2, 2)])
+def test_triton_gpu_loop_stages(shape, block_rows, warps, programs_per_sm, loop_stages):
+  """Loops pipelined by Triton (config.loop_stages, no register prefetch)
+  at real sizes vs f64: y and every gradient."""
+  x, scale, offset, ct_key = make_inputs(shape, -1, True, True, BF16, 20 + loop_stages)
+  ct = jax.random.normal(ct_key, shape, F32)
+  config = triton_ln.TritonLayerNormConfig(
+      block_rows=block_rows, num_warps=warps, programs_per_sm=programs_per_sm,
+      prefetch=0, loop_stages=loop_stages)
+  op = triton_ln.TritonLayerNorm(config=config,
+                                 vjp=triton_ln.TritonLayerNormVjp(config=config))
+  check_against_f64(op, (x, scale, offset), ct)
 
 
 def check_large_bf16(implementation, shape, seed):

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import struct
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax._src import config as jax_config
+from jax._src.lib.mlir import ir
+from jax._src.pallas.triton import lowering as triton_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
@@ -144,9 +147,70 @@ def check_dtype(op: op_lib.Op, name: str, dtype) -> None:
     )
 
 
+# Kernel names ending in this tag and a number n get Triton's loop attribute
+# `tt.num_stages = n` on every loop (`pallas_call(loop_stages=n)`).
+_LOOP_STAGES_TAG = "_loop_stages"
+
+
+def _loop_stages(name: str) -> int | None:
+  m = re.search(_LOOP_STAGES_TAG + r"(\d+)$", name)
+  return int(m.group(1)) if m else None
+
+
+def _set_loop_stages(module: ir.Module, stages: int) -> None:
+  """Sets `tt.num_stages` on every scf.for of a Triton module.
+
+  With the attribute on a loop, Triton's software pipeliner also pipelines
+  loads that feed no dot: it copies them into a shared-memory ring
+  (cp.async) stages - 1 trips ahead, without holding them in registers.
+  Without it only loads that feed a tt.dot are pipelined (CompilerParams'
+  num_stages sets their depth). The attribute changes the schedule, never
+  the result.
+  """
+  with module.context:
+    attr = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), stages)
+
+    def walk(op):
+      for region in op.regions:
+        for block in region.blocks:
+          for child in block.operations:
+            if child.operation.name == "scf.for":
+              child.operation.attributes["tt.num_stages"] = attr
+            walk(child.operation)
+
+    walk(module.operation)
+
+
+def _lower_with_loop_stages(lower):
+  """Wraps Pallas:Triton's lower_jaxpr_to_triton_module: kernels named
+  `..._loop_stagesN` get `tt.num_stages = N` on their loops. Pallas exposes
+  no per-loop attributes, so the kernel name carries the request (it is
+  part of the jaxpr, hence of every cache and export)."""
+  if getattr(lower, "_tokamax_loop_stages", False):
+    return lower
+
+  @functools.wraps(lower)
+  def wrapped(jaxpr, *args, **kwargs):
+    result = lower(jaxpr, *args, **kwargs)
+    stages = _loop_stages(jaxpr.debug_info.func_name)
+    if stages is not None:
+      _set_loop_stages(result.module, stages)
+    return result
+
+  wrapped._tokamax_loop_stages = True
+  return wrapped
+
+
+triton_lowering.lower_jaxpr_to_triton_module = _lower_with_loop_stages(
+    triton_lowering.lower_jaxpr_to_triton_module)
+
+
 def pallas_call(kernel, *, out_shape, grid, num_warps, num_stages=None, name,
-                input_output_aliases=None):
+                input_output_aliases=None, loop_stages: int | None = None):
   """pl.pallas_call on whole arrays (kernels index refs themselves).
+
+  loop_stages: if set, Triton pipelines every load inside the kernel's loops
+  through shared memory that many stages deep (`_set_loop_stages`).
 
   Returns f(*inputs) -> list of outputs. Inside `jax.shard_map` (with its
   varying-axes check) the inputs are made to vary over the union of their
@@ -161,7 +225,7 @@ def pallas_call(kernel, *, out_shape, grid, num_warps, num_stages=None, name,
           num_warps=num_warps, num_stages=num_stages
       ),
       interpret=INTERPRET.value,
-      name=name,
+      name=name if not loop_stages else f"{name}{_LOOP_STAGES_TAG}{loop_stages}",
       input_output_aliases=input_output_aliases or {},
   )
 

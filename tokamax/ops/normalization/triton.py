@@ -77,6 +77,11 @@ MAX_FEATURES = 16384
 # faster (F = 8192; docs/benchmarks.md 2026-12-03 18:24).
 LOOP_PREFETCH = 1
 VJP_PREFETCH = 0
+# None: heuristic configs as measured (tables below); n: every heuristic
+# config takes loop_stages n (n >= 2: Triton pipelines the loops' loads
+# through shared memory, no register prefetch; 0: off, the module's
+# register prefetch). For A/B runs.
+HEURISTIC_LOOP_STAGES: int | None = None
 # Heuristic targets: bytes a forward program moves (x read + y written), and
 # f32 values per thread in one [block_rows, Fp] tile (register budget; the
 # backward keeps ~4 such tiles live).
@@ -98,41 +103,51 @@ _SLAB_VALUES_PER_THREAD = 128
 # tiles (statistics, then y) instead of one holding [Fp, block] slabs: None
 # chooses by shape (`_column_forward`), True / False force either.
 COLUMN_FORWARD: bool | None = None
-# Forward of [R, F] views: (block_rows, warps, programs_per_sm) by the
-# itemsize of x and Fp, the fastest configs on the H200
-# (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md 2026-12-03).
-# 16-bit x (13:33 sweeps; alike with f32 and bf16 scale/offset), TB/s against
-# the rule below (f32 / bf16 parameters): 512 3.82 / 3.83 against 3.74 /
-# 3.78; 1024 3.79 / 3.82 against 3.58 / 3.66; 2048 3.74 / 3.75 against 3.48 /
-# 3.72; 4096 3.62 / 3.67 against 3.24 / 3.23; 8192 3.48-3.70 against
-# 3.28-3.40; 16384 3.42 / 3.50 against 2.90 / 3.48.
-# f32 x (15:40 sweeps, three runs, f32 parameters), medians against the rule:
-# 512 3.92 against 3.90; 1024 3.90 against 3.87; 2048 3.92 against 3.83;
-# 4096 3.90 against 3.35; 8192 3.81 against 3.72; 16384 the rule's (3.42).
+# Forward of [R, F] views: (block_rows, warps, programs_per_sm[,
+# loop_stages]) by the itemsize of x and Fp, the fastest configs on the H200
+# (benchmarks/layer_norm_loop_sweep.py, docs/benchmarks.md 2026-12-03 and
+# 2026-12-04). Without loop_stages the program loads its next tile ahead in
+# registers (LOOP_PREFETCH); with it Triton pipelines the loads through
+# shared memory (no register prefetch).
+# 16-bit x, 2026-12-04 (05:30) sweeps, TB/s, f32 parameters, against the
+# register-prefetch config used before, timed in the same run: 1024 3.84
+# against 3.79 (that sweep's best with register prefetch); 2048 3.82
+# against 3.74; 4096 3.78 against 3.62; 8192 3.77 against 3.44; 16384 3.71
+# against 3.45; 512 unchanged (3.80; with loop_stages 3.81).
+# Earlier (2026-12-03 13:33 sweeps), register prefetch against the rule
+# below (f32 / bf16 parameters): 512 3.82 / 3.83 against 3.74 / 3.78.
+# f32 x (15:40 sweeps, three runs, f32 parameters; loop_stages not yet
+# measured), medians against the rule: 512 3.92 against 3.90; 1024 3.90
+# against 3.87; 2048 3.92 against 3.83; 4096 3.90 against 3.35; 8192 3.81
+# against 3.72; 16384 the rule's (3.42).
 _LOOP_CONFIGS = {
-    2: {512: (8, 8, 8), 1024: (4, 8, 8), 2048: (2, 8, 8), 4096: (2, 16, 2),
-        8192: (1, 4, 2), 16384: (1, 8, 1)},
+    2: {512: (8, 8, 8), 1024: (8, 4, 2, 3), 2048: (4, 8, 2, 3), 4096: (2, 16, 2, 3),
+        8192: (2, 8, 1, 3), 16384: (1, 8, 1, 3)},
     4: {512: (4, 4, 0), 1024: (2, 16, 4), 2048: (1, 8, 4), 4096: (1, 16, 2),
         8192: (2, 16, 1), 16384: (1, 16, 1)},
 }
 # Backward of [R, F] views, the same keys, (block_rows, warps,
-# programs_per_sm, prefetch) (programs_per_sm: at most that many programs
-# per SM, 0 = 32 // warps). The fastest in H200
-# sweeps (benchmarks/layer_norm_vjp_sweep.py, docs/benchmarks.md 2026-12-03
-# 15:40 and 18:24), TB/s of x, dy read + dx written against the config used
-# before (16-bit x: the nearest cached shape's; f32 x: the rule below),
-# 16-bit x: 512 1.91 against 1.86; 1024 2.08 against 1.96 (cached (4, 4, 0);
-# 65536x1024 has a shipped entry, (2, 4, 4, 1) 2.13);
-# 2048 2.08 against 1.82; 4096 2.01 against 1.94; 8192 1.96 against 1.55
-# (cached (1, 16, 0)); 16384 0.94-1.02 against 0.50 (XLA 0.75). f32 x: 512
-# 2.26 against 2.18; 1024 2.14 against 1.86; 2048 2.30 against 2.22; 4096
-# 2.27 against 2.21; 8192 2.18 against 1.94; 16384 the rule's.
+# programs_per_sm, prefetch[, loop_stages]) (programs_per_sm: at most that
+# many programs per SM, 0 = 32 // warps). The fastest in H200 sweeps
+# (benchmarks/layer_norm_vjp_sweep.py), vjp-mode ms (the forward included)
+# against the best without loop_stages in the same run:
+# 16-bit x (2026-12-04 05:40): 512 0.178 against 0.195; 1024 0.175 against
+# 0.187; 2048 0.174 against 0.189; 4096 0.178 against 0.197; 8192 0.184
+# against 0.203; 16384 0.368 against 0.403.
+# f32 x (2026-12-03 15:40 and 18:24, TB/s of x, dy read + dx written,
+# against the rule below): 512 2.26 against 2.18; 1024 2.14 against 1.86;
+# 2048 2.30 against 2.22; 4096 2.27 against 2.21; 8192 2.18 against 1.94;
+# 16384 the rule's.
 _VJP_CONFIGS = {
-    2: {512: (4, 4, 4, 0), 1024: (1, 4, 0, 0), 2048: (1, 8, 0, 0),
-        4096: (1, 8, 2, 0), 8192: (1, 16, 1, 1), 16384: (1, 8, 1, 0)},
+    2: {512: (32, 8, 1, 0, 3), 1024: (4, 4, 2, 0, 3), 2048: (2, 4, 2, 0, 3),
+        4096: (1, 4, 2, 0, 3), 8192: (1, 8, 1, 0, 3), 16384: (1, 8, 1, 0, 3)},
     4: {512: (2, 4, 0, 0), 1024: (2, 8, 0, 0), 2048: (1, 8, 0, 0),
         4096: (1, 16, 0, 0), 8192: (1, 8, 1, 1), 16384: (1, 16, 0, 0)},
 }
+# Loop stages of the [pre, F, post] column kernels' heuristic (statistics,
+# backward sums): H200 2026-12-04, forward+backward 2-10 % faster at 5 of 6
+# shapes measured (docs/benchmarks.md).
+_COLUMN_LOOP_STAGES = 3
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -147,6 +162,9 @@ class TritonLayerNormConfig:
   prefetch: loop trips loaded ahead (forward tiles of a looping program,
   backward blocks of x and dy); None takes the module default
   (LOOP_PREFETCH forward, VJP_PREFETCH backward).
+  loop_stages: 0, or n >= 2: Triton's pipeliner copies the loads of every
+  loop into a shared-memory ring n - 1 trips ahead (cp.async; see
+  pallas_triton.pallas_call).
   """
 
   block_rows: pydantic.PositiveInt = 1
@@ -154,6 +172,14 @@ class TritonLayerNormConfig:
   programs_per_sm: pydantic.NonNegativeInt = 0
   num_stages: pydantic.PositiveInt = 2
   prefetch: pydantic.NonNegativeInt | None = None
+  loop_stages: pydantic.NonNegativeInt = 0
+
+  @pydantic.field_validator("loop_stages")
+  @classmethod
+  def _stages(cls, v: int) -> int:
+    if v == 1:
+      raise ValueError("loop_stages must be 0 (off) or at least 2, got 1")
+    return v
 
   @pydantic.field_validator("block_rows", "num_warps")
   @classmethod
@@ -194,10 +220,19 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
   forward `_slab_columns` columns and the fewest warps that keep <= 128 f32
   values per thread.
   """
+  config = _heuristic_config(rows, features, itemsize, post, backward)
+  if HEURISTIC_LOOP_STAGES is not None:
+    config = dataclasses.replace(
+        config, loop_stages=HEURISTIC_LOOP_STAGES,
+        prefetch=0 if HEURISTIC_LOOP_STAGES else None)
+  return config
+
+
+def _heuristic_config(rows, features, itemsize, post, backward):
   fp = _next_pow2(features)
   if _column_tiles(post, features, backward):
     return TritonLayerNormConfig(block_rows=min(_COLUMN_BLOCK, _next_pow2(post)),
-                                 num_warps=_COLUMN_WARPS)
+                                 num_warps=_COLUMN_WARPS, loop_stages=_COLUMN_LOOP_STAGES)
   if post > 1:
     block = _slab_columns(post, features)
     threads = fp * block // _SLAB_VALUES_PER_THREAD
@@ -205,10 +240,15 @@ def heuristic_config(rows: int, features: int, itemsize: int, post: int = 1,
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
   table = (_VJP_CONFIGS if backward else _LOOP_CONFIGS).get(itemsize, {})
   if fp in table:
-    block_rows, warps, programs_per_sm, *prefetch = table[fp]  # forward: no prefetch
+    if backward:
+      block_rows, warps, programs_per_sm, prefetch, *stages = table[fp]
+    else:
+      block_rows, warps, programs_per_sm, *stages = table[fp]
+      prefetch = 0 if stages else None
     return TritonLayerNormConfig(
         block_rows=min(block_rows, _next_pow2(rows)), num_warps=warps,
-        programs_per_sm=programs_per_sm, prefetch=prefetch[0] if prefetch else None)
+        programs_per_sm=programs_per_sm, prefetch=prefetch,
+        loop_stages=stages[0] if stages else 0)
   warps = _warps_for(fp)
   block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
   block_rows = min(block_rows, _prev_pow2(_VALUES_PER_THREAD * 32 * warps // fp))
@@ -257,26 +297,33 @@ def _programs_per_sm(block_rows: int, itemsize: int) -> int:
 def search_space(rows: int, features: int, itemsize: int, post: int = 1,
                  backward: bool = False) -> set[TritonLayerNormConfig]:
   """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread;
-  backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; the [pre, F,
-  post] column kernels (backward, and forward where `_column_forward`):
-  16-128 columns per tile, 4/8/16 warps."""
+  backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; loops (looping
+  forward programs, the backward) with and without loop_stages 3; the
+  [pre, F, post] column kernels (backward, and forward where
+  `_column_forward`): 16-128 columns per tile, 4/8/16 warps, loop_stages 0/3."""
   if _column_tiles(post, features, backward):
-    return {TritonLayerNormConfig(block_rows=min(b, _next_pow2(post)), num_warps=w)
-            for b, w in itertools.product((16, 32, 64, 128), (4, 8, 16))}
+    return {TritonLayerNormConfig(block_rows=min(b, _next_pow2(post)), num_warps=w,
+                                  loop_stages=s)
+            for b, w, s in itertools.product((16, 32, 64, 128), (4, 8, 16), (0, 3))}
   h = heuristic_config(rows, features, itemsize, post, backward)
   fp = _next_pow2(features)
   limit = _next_pow2(post if post > 1 else rows)
+  # (prefetch, loop_stages): register prefetch, or loads pipelined by Triton.
+  loads = [(0, 0), (1, 0), (0, 3)] if backward else [(None, 0), (0, 3)]
   configs = set()
   for block_rows in (h.block_rows // 2, h.block_rows, 2 * h.block_rows, 4 * h.block_rows):
     if block_rows < 1 or block_rows > limit:
       continue
-    for warps, pps, prefetch in itertools.product(
+    for warps, pps, (prefetch, stages) in itertools.product(
         (4, 8, 16), (0,) if post > 1 else (0, 1, 2, 4) if backward else (0, 1, 2, 4, 8),
-        (0, 1) if backward else (h.prefetch,)):
+        loads):
       per_thread = block_rows * fp / (32 * warps)
+      if stages and not (pps or backward) or post > 1 and stages:
+        continue  # one tile per program: no loop to pipeline
       if 4 <= per_thread <= 64:
         configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps,
-                                          programs_per_sm=pps, prefetch=prefetch))
+                                          programs_per_sm=pps, prefetch=prefetch,
+                                          loop_stages=stages))
   configs.add(h)  # (the [pre, F, post] forward's holds up to 128 values/thread)
   return configs
 
@@ -304,7 +351,7 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
 def _pallas_call(kernel, *, out_shape, grid, config, name, num_stages=None):
   return pallas_triton.pallas_call(
       kernel, out_shape=out_shape, grid=grid, num_warps=config.num_warps,
-      num_stages=num_stages, name=name,
+      num_stages=num_stages, name=name, loop_stages=config.loop_stages or None,
   )
 
 
