@@ -613,6 +613,32 @@ def test_triton_loop_stages_lowering(monkeypatch, shape, axis):
   assert not modules
 
 
+def test_triton_loop_stages_default_prefetch():
+  """prefetch None with loop_stages means no register prefetch (a tile
+  loaded a trip ahead is loop-carried, which Triton does not pipeline): the
+  same kernels as prefetch 0, forward and backward; without loop_stages the
+  module defaults."""
+  Config = triton_ln.TritonLayerNormConfig
+  x = jax.ShapeDtypeStruct((8192, 8192), BF16)
+  p = jax.ShapeDtypeStruct((8192,), F32)
+
+  def jaxpr(config, grad=True):
+    op = triton_ln.TritonLayerNorm(config=config,
+                                   vjp=triton_ln.TritonLayerNormVjp(config=config))
+    f = jax.grad(lambda *a: jnp.sum(op(*a).astype(F32)), argnums=(0, 1, 2)) if grad else op
+    with tokamax.config.cross_compile("NVIDIA H200"):
+      return str(jax.make_jaxpr(f)(x, p, p))
+
+  base = dict(block_rows=2, num_warps=8, programs_per_sm=1)
+  pipelined = jaxpr(Config(**base, loop_stages=3))
+  assert pipelined == jaxpr(Config(**base, loop_stages=3, prefetch=0))
+  assert pipelined != jaxpr(Config(**base, loop_stages=3, prefetch=1))
+  # Without loop_stages the forward loads LOOP_PREFETCH tiles ahead.
+  plain = jaxpr(Config(**base), grad=False)
+  assert plain == jaxpr(Config(**base, prefetch=triton_ln.LOOP_PREFETCH), grad=False)
+  assert plain != jaxpr(Config(**base, prefetch=0), grad=False)
+
+
 def test_triton_cross_compile_dispatch():
   """Under an H200 target None picks "triton", or falls back to XLA."""
   x = jax.ShapeDtypeStruct((64, 256), BF16)

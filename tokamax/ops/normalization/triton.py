@@ -159,12 +159,13 @@ class TritonLayerNormConfig:
   scale/offset once and the next tile while a tile is normalised.
   Backward: at most programs_per_sm programs per SM (0: 32 // num_warps),
   each looping over row blocks and writing one row of partial sums.
-  prefetch: loop trips loaded ahead (forward tiles of a looping program,
-  backward blocks of x and dy); None takes the module default
-  (LOOP_PREFETCH forward, VJP_PREFETCH backward).
+  prefetch: loop trips loaded ahead in registers (forward tiles of a looping
+  program, backward blocks of x and dy); None takes 0 with loop_stages,
+  else the module default (LOOP_PREFETCH forward, VJP_PREFETCH backward).
   loop_stages: 0, or n >= 2: Triton's pipeliner copies the loads of every
   loop into a shared-memory ring n - 1 trips ahead (cp.async; see
-  pallas_triton.pallas_call).
+  pallas_triton.pallas_call). It leaves loads made a trip ahead by
+  `prefetch` (loop-carried values) alone.
   """
 
   block_rows: pydantic.PositiveInt = 1
@@ -326,6 +327,15 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
                                           loop_stages=stages))
   configs.add(h)  # (the [pre, F, post] forward's holds up to 128 values/thread)
   return configs
+
+
+def _prefetch(config: TritonLayerNormConfig, default: int) -> int:
+  """Loop trips loaded ahead in registers: config.prefetch, else 0 with
+  loop_stages (a tile loaded ahead is loop-carried, and Triton does not
+  pipeline loop-carried loads), else the module default."""
+  if config.prefetch is not None:
+    return config.prefetch
+  return 0 if config.loop_stages else default
 
 
 def _num_sms() -> int:
@@ -974,7 +984,7 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
         _bwd_kernel, view=view, num_programs=num_programs, iters=iters,
         scale_offset=float(scale_offset), subtract_mean=subtract_mean,
         has_scale=scale is not None, has_offset=offset is not None,
-        prefetch=VJP_PREFETCH if config.prefetch is None else config.prefetch,
+        prefetch=_prefetch(config, VJP_PREFETCH),
     )
     outs = list(_pallas_call(
         kernel, out_shape=out_shape, grid=(num_programs,), config=config,
@@ -1031,7 +1041,7 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
         scale_offset=float(scale_offset), subtract_mean=subtract_mean,
         has_scale=scale is not None, has_offset=offset is not None,
         save_stats=return_residuals, loop=loop,
-        prefetch=LOOP_PREFETCH if config.prefetch is None else config.prefetch,
+        prefetch=_prefetch(config, LOOP_PREFETCH),
     )
     outs = _pallas_call(
         kernel, out_shape=out_shape, grid=grid, config=config,
