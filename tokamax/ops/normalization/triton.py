@@ -319,8 +319,8 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
         (4, 8, 16), (0,) if post > 1 else (0, 1, 2, 4) if backward else (0, 1, 2, 4, 8),
         loads):
       per_thread = block_rows * fp / (32 * warps)
-      if stages and not (pps or backward) or post > 1 and stages:
-        continue  # one tile per program: no loop to pipeline
+      if stages and not (pps or backward):
+        continue  # forward, one tile per program: no loop to pipeline
       if 4 <= per_thread <= 64:
         configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps,
                                           programs_per_sm=pps, prefetch=prefetch,
@@ -361,7 +361,7 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
 def _pallas_call(kernel, *, out_shape, grid, config, name, num_stages=None):
   return pallas_triton.pallas_call(
       kernel, out_shape=out_shape, grid=grid, num_warps=config.num_warps,
-      num_stages=num_stages, name=name, loop_stages=config.loop_stages or None,
+      num_stages=num_stages, name=name, loop_stages=config.loop_stages,
   )
 
 
