@@ -1,13 +1,14 @@
 """Sweeps the looping layer_norm forward (programs_per_sm > 0) on the GPU.
 
-Usage: [X_DTYPE=float32] [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=4,8] [PPS=1,2] [DEPTHS=1] [LOOP_STAGES=0,3] \
+Usage: [X_DTYPE=float32] [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=1,4,8] [PPS=1,2,16] (replace the defaults) [DEPTHS=1] [LOOP_STAGES=0,3] [MAX_VALUES=64] \
   python benchmarks/layer_norm_loop_sweep.py [OUT_DIR] [FLAG=A,B,...|sweep:FLAG=A] [SHAPES]
 x bf16 (or X_DTYPE) 8192x8192 and 65536x1024, scale and offset f32 (or PARAM_DTYPE),
 forward only, TB/s of
 x read + y written: the shipped configs (implementation="triton"; "mosaic" as a peer), one
 program per tile, and programs looping over tiles (config prefetch in
 DEPTHS: tiles loaded that many trips ahead of the one normalised; one
-program per tile (PPS 0) runs whatever DEPTHS);
+program per tile (PPS 0) runs whatever DEPTHS), with 4 to MAX_VALUES f32
+values of a tile per thread;
 XLA and a copy (x + 1) in the same run. Writes layer_norm_loop_sweep.json.
 With FLAG=A,B,... (a module-level constant of tokamax.ops.normalization.triton
 and Python literals for it) only the shipped configs are timed, once per
@@ -36,7 +37,8 @@ SHAPES = {(8192, 8192): ((1, 2, 4), (4, 8, 16)), (65536, 1024): ((2, 4, 8, 16), 
           (4096, 16384): ((1, 2), (8, 16)), (16384, 4096): ((1, 2, 4), (4, 8, 16)),
           (32768, 2048): ((1, 2, 4, 8), (4, 8, 16)), (131072, 512): ((4, 8, 16, 32), (4, 8, 16))}
 DEFAULT_SHAPES = "8192x8192,65536x1024"
-LOOPS = [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (8, 2)]  # (programs_per_sm, stages)
+LOOPS = [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (8, 2)]
+# (programs_per_sm, stages); PPS=1,16,...: any programs_per_sm (stages 2)
 # 3, 5, 6: the tiles spread differently over the SMs. 65536x1024 in 4-row
 # tiles is 16384 tiles, 124.1 per SM: 8 per SM gives 1024 programs of 16 tiles
 # (an SM with 8 of them does 128), 5 per SM 656 programs of 25 (at most 125
@@ -61,11 +63,11 @@ def main(out_dir=".", flag="", shapes=""):
   param_dtype = jnp.dtype(os.environ.get("PARAM_DTYPE", "float32"))
   x_dtype = jnp.dtype(os.environ.get("X_DTYPE", "bfloat16"))
 
-  def only(env, values, key=lambda v: v):
+  def pick(env, values):  # env values replace the shape's defaults
     wanted = os.environ.get(env)
-    return [v for v in values if not wanted or str(key(v)) in wanted.split(",")]
+    return [int(v) for v in wanted.split(",")] if wanted else list(values)
 
-  loops = only("PPS", LOOPS, key=lambda l: l[0])
+  loops = [(p, 2) for p in pick("PPS", [])] or LOOPS
   depths = [int(d) for d in os.environ.get("DEPTHS", ",".join(map(str, DEPTHS))).split(",")]
   loop_stages = [int(s) for s in os.environ.get("LOOP_STAGES", "0").split(",")]
   dtypes = dict(param_dtype=param_dtype.name, x_dtype=x_dtype.name)
@@ -97,10 +99,10 @@ def main(out_dir=".", flag="", shapes=""):
       setattr(tr, flag_name, default_value)
       continue
     for block, w, (pps, stages), prefetch, ls in itertools.product(
-        only("BLOCKS", blocks), only("WARPS", warps), loops, sorted({0, *depths}),
+        pick("BLOCKS", blocks), pick("WARPS", warps), loops, sorted({0, *depths}),
         loop_stages):
       per_thread = block * f / (32 * w)
-      if not 4 <= per_thread <= 64:
+      if not 4 <= per_thread <= int(os.environ.get("MAX_VALUES", "64")):
         continue
       if ls:  # pipelined by Triton: looping programs without register prefetch
         if prefetch or not pps:

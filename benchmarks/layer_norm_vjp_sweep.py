@@ -1,6 +1,6 @@
 """Sweeps the layer_norm "triton" backward ([R, F] views) on the GPU.
 
-Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [LOOP_STAGES=0,3] [BLOCKS=1,2] [TILE_BYTES=8192,16384] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
+Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [LOOP_STAGES=0,3] [BLOCKS=1,2] [WARPS=1,4] [TILE_BYTES=8192,16384] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
 x bf16 (or X_DTYPE), f32 scale and offset, mode "vjp" (the forward that
 saves the statistics, then dx, dscale, doffset; y unused), TB/s of x and
 dy read + dx written (so below the backward's own rate), for every
@@ -43,6 +43,7 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
   prefetch_values = [int(v) for v in os.environ.get("PREFETCH", "0,1").split(",")]
   stage_values = [int(v) for v in os.environ.get("LOOP_STAGES", "0").split(",")]
   blocks = [int(v) for v in os.environ.get("BLOCKS", ",".join(map(str, BLOCKS))).split(",")]
+  warps = [int(v) for v in os.environ.get("WARPS", ",".join(map(str, WARPS))).split(",")]
   rows = []
 
   def record(**r):
@@ -68,7 +69,7 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
       _column_sweep(record, shape, axis, x, p, tb, r, f, dims[2])
       continue
     configs = () if os.environ.get("ONLY_SHIPPED") else itertools.product(
-        blocks, WARPS, pps_values, prefetch_values, stage_values)
+        blocks, warps, pps_values, prefetch_values, stage_values)
     for block, w, pps, prefetch, ls in configs:
       if not 4 <= block * f / (32 * w) <= 64 or block > vectors or (ls and prefetch):
         continue

@@ -398,9 +398,9 @@ def test_triton_config_validation():
     (16384, 4096, 4, (1, 16, 2, 0)),
     (32768, 2000, 4, (1, 8, 4, 0)),
     (131072, 512, 4, (4, 4, 0, 0)),
-    (65536, 1024, 2, (8, 4, 2, 3)),
-    (32768, 2000, 2, (4, 8, 2, 3)),
-    (131072, 512, 2, (8, 8, 8, 0)),
+    (65536, 1024, 2, (1, 1, 32, 3)),
+    (32768, 2000, 2, (1, 1, 16, 3)),
+    (131072, 512, 2, (1, 1, 16, 3)),
     (65536, 1024, 4, (2, 16, 4, 0)),
     (65536, 256, 4, (16, 4, 0, 0)),
     (4096, 256, 2, (16, 4, 0, 0)),
@@ -420,7 +420,9 @@ def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
   space = triton_ln.search_space(rows, features, itemsize)
   assert h in space
   assert all(c.block_rows <= max(1, 2 * rows) for c in space)
-  assert {c.programs_per_sm for c in space} == {0, 1, 2, 4, 8}
+  one_warp = {c.programs_per_sm for c in space if c.num_warps == 1}
+  assert one_warp == ({16, 32} if 128 <= triton_ln._next_pow2(features) <= 2048 else set())
+  assert {c.programs_per_sm for c in space if c.num_warps > 1} == {0, 1, 2, 4, 8}
   # Loop stages only for looping programs, without register prefetch.
   assert {c.loop_stages for c in space} == {0, 3}
   assert all(c.programs_per_sm and c.prefetch == 0 for c in space if c.loop_stages)
@@ -435,11 +437,11 @@ def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
 
 @pytest.mark.parametrize("rows, features, itemsize, expected", [
     (8192, 8192, 2, (1, 8, 1, 0, 3)),
-    (8192, 8192, 4, (1, 8, 1, 1, 0)),
+    (8192, 8192, 4, (1, 8, 1, 0, 3)),
     (65536, 1024, 2, (4, 4, 2, 0, 3)),
     (32768, 2048, 2, (2, 4, 2, 0, 3)),
     (131072, 512, 2, (32, 8, 1, 0, 3)),
-    (65536, 1000, 4, (2, 8, 0, 0, 0)),
+    (65536, 1000, 4, (4, 4, 1, 0, 3)),
     (4096, 16384, 4, (1, 16, 0, 0, 0)),
     (100, 256, 2, (16, 4, 0, 0, 0)),
 ])
@@ -738,6 +740,7 @@ def test_triton_gpu_measured_configs(dtype, features):
   assert fwd.block_rows == triton_ln._LOOP_CONFIGS[itemsize][features][0]
   assert bwd.programs_per_sm == triton_ln._VJP_CONFIGS[itemsize][features][2]
   assert bwd.prefetch == triton_ln._VJP_CONFIGS[itemsize][features][3]
+  assert bwd.loop_stages == (triton_ln._VJP_CONFIGS[itemsize][features][4:] or (0,))[0]
   op = triton_ln.TritonLayerNorm(config=fwd, vjp=triton_ln.TritonLayerNormVjp(config=bwd))
   check_against_f64(op, (x, scale, offset), ct)
 
@@ -933,22 +936,23 @@ def test_mosaic_lowers_for_cuda(shape, subtract_mean):
 
 
 def test_mosaic_cross_compile_dispatch():
-  """Under an H200 target None picks "mosaic" from 512 features (faster
+  """Under an H200 target None picks "mosaic" from 2048 features (faster
   there), "triton" below and for other axes or f32."""
   p = lambda f: jax.ShapeDtypeStruct((f,), F32)
   with tokamax.config.cross_compile("NVIDIA H200"):
-    for shape, dtype, axis, want in (((64, 1024), BF16, -1, "mosaic"),
+    for shape, dtype, axis, want in (((64, 2048), BF16, -1, "mosaic"),
                                      ((8, 8192), F16, -1, "mosaic"),
-                                     ((64, 512), BF16, -1, "mosaic"),
+                                     ((64, 1024), BF16, -1, "triton"),
+                                     ((64, 512), BF16, -1, "triton"),
                                      ((64, 256), BF16, -1, "triton"),
                                      ((64, 1024), F32, -1, "triton"),
                                      ((1024, 64), BF16, 0, "triton")):
       x = jax.ShapeDtypeStruct(shape, dtype)
       ba = dispatch.select("layer_norm", None, (x, p(shape[axis])), dict(axis=axis))
       assert ba.op.implementation == want, (shape, dtype, axis)
-    x = jax.ShapeDtypeStruct((64, 1024), BF16)
+    x = jax.ShapeDtypeStruct((64, 2048), BF16)
     text = _lower_text(jax.grad(lambda x, s: jnp.sum(tokamax.layer_norm(x, s).astype(F32))),
-                       x, p(1024))
+                       x, p(2048))
     assert MOSAIC_TARGET in text and text.count(TRITON_TARGET) == 1
 
 

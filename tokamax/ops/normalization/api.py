@@ -11,8 +11,9 @@ dispatch.register("layer_norm", "xla", xla.XlaLayerNorm)
 dispatch.register("layer_norm", "triton", triton.TritonLayerNorm)
 dispatch.register("layer_norm", "mosaic", mosaic.MosaicLayerNorm)
 # "mosaic" refuses GPUs other than Hopper (and x that is not 16-bit, other
-# axes, feature counts it cannot tile) and steps aside below 512 features
-# (not measured faster there, docs/benchmarks.md), so it leads where it wins.
+# axes, feature counts it cannot tile) and steps aside below 2048 features
+# ("triton" as fast or faster there, docs/benchmarks.md), so it leads where
+# it wins.
 dispatch.set_default_order("layer_norm", lambda target: ["mosaic", "triton", "xla"])
 
 

@@ -62,9 +62,12 @@ from tokamax._src import pallas_triton
 from tokamax.ops.normalization import triton, xla
 
 MAX_FEATURES = 8192
-# Under implementation=None "mosaic" steps aside for "triton" below this F
-# (not measured there).
-PREFERRED_MIN_FEATURES = 512
+# Under implementation=None "mosaic" steps aside for "triton" below this F:
+# H200 2026-12-04 (docs/benchmarks.md), the "triton" forward with one-warp
+# programs is faster at 512 features (3.94 against 3.89-3.90 TB/s) and on
+# par at 1024 (3.80-3.93 against 3.94-3.95), and "triton" forward+backward
+# is 3-6 % faster at both; from 2048 the "mosaic" forward is 1-5 % faster.
+PREFERRED_MIN_FEATURES = 2048
 # Rows per statistics chunk (a TMA box is at most 256 elements along a dim).
 _STAT_CHUNK = 256
 _TARGET_BLOCK_BYTES = 16 * 1024
@@ -492,8 +495,7 @@ class MosaicLayerNorm(xla.LayerNorm):
     check_supported(self, ba)
 
   def preferred(self, ba):
-    # H200 (docs/benchmarks.md, 2026-12-02): faster than "triton" forward at
-    # F = 512 to 8192 (1.03x-1.18x), on par forward+backward.
+    # See PREFERRED_MIN_FEATURES.
     return _rows_features(ba)[1] >= PREFERRED_MIN_FEATURES
 
   def _get_heuristics_config(self, ba):

@@ -120,8 +120,14 @@ COLUMN_FORWARD: bool | None = None
 # measured), medians against the rule: 512 3.92 against 3.90; 1024 3.90
 # against 3.87; 2048 3.92 against 3.83; 4096 3.90 against 3.35; 8192 3.81
 # against 3.72; 16384 the rule's (3.42).
+# One-warp programs (2026-12-04 10:00 sweeps, two or three runs each): a
+# row's sums stay within a warp (shuffles, no barrier); 32 programs per SM
+# at 1024 features (3.88-3.90 against 3.74-3.80 for the entry before), 16
+# at 512 (3.89-3.92 against 3.78-3.82) and 2048 (3.86 against 3.81-3.82).
+# At 4096 and above a row holds too many values for one warp's registers
+# (16384x4096 one warp 1.6-1.9 TB/s, 2 warps at most 3.68 against 3.73).
 _LOOP_CONFIGS = {
-    2: {512: (8, 8, 8), 1024: (8, 4, 2, 3), 2048: (4, 8, 2, 3), 4096: (2, 16, 2, 3),
+    2: {512: (1, 1, 16, 3), 1024: (1, 1, 32, 3), 2048: (1, 1, 16, 3), 4096: (2, 16, 2, 3),
         8192: (2, 8, 1, 3), 16384: (1, 8, 1, 3)},
     4: {512: (4, 4, 0), 1024: (2, 16, 4), 2048: (1, 8, 4), 4096: (1, 16, 2),
         8192: (2, 16, 1), 16384: (1, 16, 1)},
@@ -137,12 +143,14 @@ _LOOP_CONFIGS = {
 # f32 x (2026-12-03 15:40 and 18:24, TB/s of x, dy read + dx written,
 # against the rule below): 512 2.26 against 2.18; 1024 2.14 against 1.86;
 # 2048 2.30 against 2.22; 4096 2.27 against 2.21; 8192 2.18 against 1.94;
-# 16384 the rule's.
+# 16384 the rule's. With loop_stages (2026-12-04 05:40, vjp-mode ms against
+# the entries before): 1024 0.355 against 0.371 (65536 rows); 8192 0.346
+# against 0.367 (8192 rows).
 _VJP_CONFIGS = {
     2: {512: (32, 8, 1, 0, 3), 1024: (4, 4, 2, 0, 3), 2048: (2, 4, 2, 0, 3),
         4096: (1, 4, 2, 0, 3), 8192: (1, 8, 1, 0, 3), 16384: (1, 8, 1, 0, 3)},
-    4: {512: (2, 4, 0, 0), 1024: (2, 8, 0, 0), 2048: (1, 8, 0, 0),
-        4096: (1, 16, 0, 0), 8192: (1, 8, 1, 1), 16384: (1, 16, 0, 0)},
+    4: {512: (2, 4, 0, 0), 1024: (4, 4, 1, 0, 3), 2048: (1, 8, 0, 0),
+        4096: (1, 16, 0, 0), 8192: (1, 8, 1, 0, 3), 16384: (1, 16, 0, 0)},
 }
 # Loop stages of the [pre, F, post] column kernels' heuristic (statistics,
 # backward sums): H200 2026-12-04, forward+backward 2-10 % faster at 5 of 6
@@ -298,6 +306,7 @@ def _programs_per_sm(block_rows: int, itemsize: int) -> int:
 def search_space(rows: int, features: int, itemsize: int, post: int = 1,
                  backward: bool = False) -> set[TritonLayerNormConfig]:
   """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread;
+  the [R, F] forward also one-warp programs (1-2 rows, 16 or 32 per SM);
   backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; loops (looping
   forward programs, the backward) with and without loop_stages 3; the
   [pre, F, post] column kernels (backward, and forward where
@@ -312,6 +321,12 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
   # (prefetch, loop_stages): register prefetch, or loads pipelined by Triton.
   loads = [(0, 0), (1, 0), (0, 3)] if backward else [(None, 0), (0, 3)]
   configs = set()
+  if post == 1 and not backward:
+    # One-warp programs, 16 or 32 per SM (a row within one warp).
+    configs |= {TritonLayerNormConfig(block_rows=b, num_warps=1, programs_per_sm=pps,
+                                      prefetch=0, loop_stages=3)
+                for b, pps in itertools.product((1, 2), (16, 32))
+                if 4 <= b * fp / 32 <= 64 and b <= limit}
   for block_rows in (h.block_rows // 2, h.block_rows, 2 * h.block_rows, 4 * h.block_rows):
     if block_rows < 1 or block_rows > limit:
       continue
@@ -1032,7 +1047,9 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
     loop, num_stages = None, None
     if config.programs_per_sm and not view.is_3d:
       # Fewest programs that still use `trips` loop trips; tiles past the
-      # last are masked (vectors out of range).
+      # last are masked (vectors out of range). (Programs_per_sm on every
+      # SM, some one trip short, ran 0-3 % slower on the H200 at 6 shapes,
+      # docs/benchmarks.md 2026-12-04 10:00.)
       trips = pl.cdiv(blocks, min(blocks, _num_sms() * config.programs_per_sm))
       grid = (pl.cdiv(blocks, trips),)
       loop, num_stages = (grid[0], trips), config.num_stages
