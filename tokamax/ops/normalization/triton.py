@@ -126,10 +126,12 @@ COLUMN_FORWARD: bool | None = None
 # at 512 (3.89-3.92 against 3.78-3.82) and 2048 (3.86 against 3.81-3.82).
 # At 4096 and above a row holds too many values for one warp's registers
 # (16384x4096 one warp 1.6-1.9 TB/s, 2 warps at most 3.68 against 3.73).
+# f32 x: one warp at 1024 features, 3.98-4.01 against 3.94-3.95 (two runs);
+# at 512 and 2048 slower or on par with the entries below.
 _LOOP_CONFIGS = {
     2: {512: (1, 1, 16, 3), 1024: (1, 1, 32, 3), 2048: (1, 1, 16, 3), 4096: (2, 16, 2, 3),
         8192: (2, 8, 1, 3), 16384: (1, 8, 1, 3)},
-    4: {512: (4, 4, 0), 1024: (2, 16, 4), 2048: (1, 8, 4), 4096: (1, 16, 2),
+    4: {512: (4, 4, 0), 1024: (1, 1, 32, 3), 2048: (1, 8, 4), 4096: (1, 16, 2),
         8192: (2, 16, 1), 16384: (1, 16, 1)},
 }
 # Backward of [R, F] views, the same keys, (block_rows, warps,
