@@ -1,6 +1,6 @@
 """Sweeps the layer_norm "triton" backward ([R, F] views) on the GPU.
 
-Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [LOOP_STAGES=0,3] [BLOCKS=1,2] [WARPS=1,4] [TILE_BYTES=8192,16384] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
+Usage: [X_DTYPE=float32] [PPS=0,2] [PREFETCH=0,1] [LOOP_STAGES=0,3] [BLOCKS=1,2] [WARPS=1,4] [FEATURE_CHUNK=0,2048] [TILE_BYTES=8192,16384] [ONLY_SHIPPED=1] python benchmarks/layer_norm_vjp_sweep.py [OUT_DIR] [SHAPES]
 x bf16 (or X_DTYPE), f32 scale and offset, mode "vjp" (the forward that
 saves the statistics, then dx, dscale, doffset; y unused), TB/s of x and
 dy read + dx written (so below the backward's own rate), for every
@@ -44,6 +44,7 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
   stage_values = [int(v) for v in os.environ.get("LOOP_STAGES", "0").split(",")]
   blocks = [int(v) for v in os.environ.get("BLOCKS", ",".join(map(str, BLOCKS))).split(",")]
   warps = [int(v) for v in os.environ.get("WARPS", ",".join(map(str, WARPS))).split(",")]
+  chunk_values = [int(v) for v in os.environ.get("FEATURE_CHUNK", "0").split(",")]
   rows = []
 
   def record(**r):
@@ -69,12 +70,12 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
       _column_sweep(record, shape, axis, x, p, tb, r, f, dims[2])
       continue
     configs = () if os.environ.get("ONLY_SHIPPED") else itertools.product(
-        blocks, warps, pps_values, prefetch_values, stage_values)
-    for block, w, pps, prefetch, ls in configs:
+        blocks, warps, pps_values, prefetch_values, stage_values, chunk_values)
+    for block, w, pps, prefetch, ls, chunk in configs:
       if not 4 <= block * f / (32 * w) <= 64 or block > vectors or (ls and prefetch):
         continue
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps,
-                                     prefetch=prefetch, loop_stages=ls)
+                                     prefetch=prefetch, loop_stages=ls, feature_chunk=chunk)
       op = tr.TritonLayerNorm(vjp=tr.TritonLayerNormVjp(config=cfg))
       try:
         ms = _vjp_ms(lambda x, s, o: op(x, s, o, axis=axis), (x, p, p))
@@ -82,7 +83,7 @@ def main(out_dir=".", shapes="8192x8192,65536x1024"):
         record(shape=shape, config=str(cfg), error=str(e)[:200])
         continue
       record(shape=shape, block_rows=block, warps=w, programs_per_sm=pps,
-             vjp_prefetch=prefetch, loop_stages=ls, ms=ms, tbps=tb(ms))
+             vjp_prefetch=prefetch, loop_stages=ls, feature_chunk=chunk, ms=ms, tbps=tb(ms))
   common.save(out_dir, "layer_norm_vjp_sweep", rows)
 
 

@@ -317,15 +317,19 @@ class TestTritonInterpret(LayerNormTestBase):
     with pytest.raises(NotImplementedError, match="triton.*16384"):
       jax.eval_shape(self.layer_norm, x)
 
-  @pytest.mark.parametrize("programs_per_sm, prefetch, loop_stages", [
-      (0, 1, 0), (2, 1, 0), (3, 0, 0), (3, 1, 0), (3, 2, 0), (3, 0, 3)])
+  @pytest.mark.parametrize("programs_per_sm, prefetch, loop_stages, feature_chunk", [
+      (0, 1, 0, 0), (2, 1, 0, 0), (3, 0, 0, 0), (3, 1, 0, 0), (3, 2, 0, 0), (3, 0, 3, 0),
+      (2, 0, 0, 16), (3, 0, 3, 32)])
   @pytest.mark.parametrize("subtract_mean", [True, False])
   def test_pinned_config_masked_rows_and_loop(self, monkeypatch, subtract_mean,
-                                              programs_per_sm, prefetch, loop_stages):
+                                              programs_per_sm, prefetch, loop_stages,
+                                              feature_chunk):
     """block_rows not dividing R, F not a power of 2, >1 backward loop trip;
     a looping forward (programs_per_sm > 0) with trips past the last tile,
     loading 0-2 tiles ahead (config.prefetch, forward and backward), or
-    with loop_stages (named kernels; interpret mode ignores the schedule)."""
+    with loop_stages (named kernels; interpret mode ignores the schedule);
+    the backward split in two kernels over 16- or 32-feature chunks (45
+    features: the last chunk partly masked)."""
     # Backward with 1 "SM" and 4 warps: at most 8 programs (programs_per_sm
     # 0): 19 row blocks of 2 rows -> 3 loop trips over 7 programs (the last
     # ones partly masked); 2 or 3 per "SM" caps them: 10 / 7 trips.
@@ -333,7 +337,7 @@ class TestTritonInterpret(LayerNormTestBase):
     monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
     config = triton_ln.TritonLayerNormConfig(
         block_rows=2, num_warps=4, programs_per_sm=programs_per_sm, prefetch=prefetch,
-        loop_stages=loop_stages)
+        loop_stages=loop_stages, feature_chunk=feature_chunk)
     op = triton_ln.TritonLayerNorm(
         config=config, vjp=triton_ln.TritonLayerNormVjp(config=config)
     )
@@ -383,9 +387,10 @@ def test_triton_config_validation():
   for bad in (dict(block_rows=3), dict(block_rows=0), dict(num_warps=6),
               dict(num_warps=-4), dict(num_warps=64), dict(programs_per_sm=-1),
               dict(num_stages=0), dict(prefetch=-1), dict(loop_stages=1),
-              dict(loop_stages=-2)):
-    with pytest.raises(Exception, match="block_rows|num_warps|programs_per_sm|num_stages|prefetch|loop_stages"):
+              dict(loop_stages=-2), dict(feature_chunk=8), dict(feature_chunk=48)):
+    with pytest.raises(Exception, match="block_rows|num_warps|programs_per_sm|num_stages|prefetch|loop_stages|feature_chunk"):
       Config(**bad)
+  assert Config(feature_chunk=2048).feature_chunk == 2048
 
 
 @pytest.mark.parametrize("rows, features, itemsize, expected", [
@@ -442,19 +447,26 @@ def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
     (32768, 2048, 2, (2, 4, 2, 0, 3)),
     (131072, 512, 2, (32, 8, 1, 0, 3)),
     (65536, 1000, 4, (4, 4, 1, 0, 3)),
-    (4096, 16384, 4, (1, 16, 0, 0, 0)),
+    (4096, 16384, 4, (1, 8, 1, 0, 2, 2048)),
+    (4096, 16384, 2, (1, 8, 1, 0, 3, 2048)),
+    (100, 10000, 4, (1, 8, 1, 0, 2, 2048)),
     (100, 256, 2, (16, 4, 0, 0, 0)),
 ])
 def test_triton_backward_heuristics(rows, features, itemsize, expected):
-  """(block_rows, warps, programs_per_sm, prefetch, loop_stages) of the
-  [R, F] backward: measured configs at Fp = 512-16384, the rule elsewhere;
-  its search space tries prefetch 0 and 1 and loop stages 0 and 3."""
+  """(block_rows, warps, programs_per_sm, prefetch, loop_stages[,
+  feature_chunk]) of the [R, F] backward: measured configs at Fp =
+  512-16384 (split in two kernels at 16384), the rule elsewhere; its search
+  space tries prefetch 0 and 1, loop stages 0 and 3, and the split above
+  8192 features."""
   h = triton_ln.heuristic_config(rows, features, itemsize, backward=True)
-  assert (h.block_rows, h.num_warps, h.programs_per_sm, h.prefetch,
-          h.loop_stages) == expected
+  got = (h.block_rows, h.num_warps, h.programs_per_sm, h.prefetch, h.loop_stages)
+  assert got + ((h.feature_chunk,) if h.feature_chunk else ()) == expected
   space = triton_ln.search_space(rows, features, itemsize, backward=True)
   assert h in space and {c.prefetch for c in space} == {0, 1}
-  assert {c.loop_stages for c in space} == {0, 3}
+  assert {c.loop_stages for c in space} >= {0, 3}
+  chunks = {c.feature_chunk for c in space}
+  assert chunks == ({0, 2048} if features > 8192 else {0})
+  assert triton_ln.heuristic_config(rows, features, itemsize).feature_chunk == 0
 
 
 def test_triton_heuristic_loop_stages_switch(monkeypatch):
@@ -482,15 +494,16 @@ def test_triton_column_splits(monkeypatch):
 
 
 def test_triton_backward_preference():
-  """implementation=None takes the XLA VJP where the Triton one is slower:
-  [R, F] views of f32 x above 8192 features."""
+  """implementation=None takes the Triton VJP everywhere it runs (f32 x
+  above 8192 features too, since the split backward: H200 2026-12-04)."""
   vjp = triton_ln.TritonLayerNormVjp()
   def bind(shape, dtype, axis=-1):
     x = jax.ShapeDtypeStruct(shape, dtype)
     return triton_ln.TritonLayerNorm().bind(x, None, None, axis=axis)
   assert vjp.preferred(bind((64, 8192), F32))
   assert vjp.preferred(bind((64, 16384), BF16))
-  assert not vjp.preferred(bind((64, 16384), F32))
+  assert vjp.preferred(bind((64, 16384), F32))
+  assert vjp.preferred(bind((64, 10000), F32))
   assert vjp.preferred(bind((4, 64, 32), BF16, axis=1))
   assert vjp.preferred(bind((4, 16384, 32), F32, axis=1))
 
@@ -565,13 +578,15 @@ def test_triton_lowers_for_cuda(case):
     fwd_text = _lower_text(f, x, scale, offset)
     grad_text = _lower_text(grad, x, scale, offset)
   # [pre, F, post]: two backward kernels, two forward ones (statistics, y)
-  # unless one slab holds all of post or F <= 512.
+  # unless one slab holds all of post or F <= 512; [R, F] above 8192
+  # features: two backward kernels (the split backward).
   columns = axis not in (-1, len(shape) - 1)
   forward = 1
   if columns and triton_ln._column_forward(math.prod(shape[axis + 1:]), shape[axis]):
     forward = 2
   assert fwd_text.count(TRITON_TARGET) == forward
-  assert grad_text.count(TRITON_TARGET) == forward + (2 if columns else 1)
+  backward = 2 if columns or shape[axis] > 8192 else 1
+  assert grad_text.count(TRITON_TARGET) == forward + backward
 
 
 @pytest.mark.parametrize("shape, axis", [((8192, 8192), -1), ((16, 1024, 4096), 1)])
@@ -613,6 +628,31 @@ def test_triton_loop_stages_lowering(monkeypatch, shape, axis):
     _lower_text(jax.grad(lambda *a: jnp.sum(plain(*a, axis=axis).astype(F32)),
                          argnums=(0, 1, 2)), x, p, p)
   assert not modules
+
+
+def test_triton_split_backward_lowering(monkeypatch):
+  """config.feature_chunk: the [R, F] backward lowers for CUDA as two
+  kernels (rows' sums, then feature chunks), each loop with loop_stages."""
+  modules = []
+  set_stages = pallas_triton._set_loop_stages
+
+  def spy(module, stages):
+    set_stages(module, stages)
+    modules.append(module.operation.get_asm())
+
+  monkeypatch.setattr(pallas_triton, "_set_loop_stages", spy)
+  config = triton_ln.TritonLayerNormConfig(block_rows=1, num_warps=16, programs_per_sm=1,
+                                           prefetch=0, loop_stages=2, feature_chunk=2048)
+  op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(config=config))
+  x = jax.ShapeDtypeStruct((4099, 16384), F32)
+  p = jax.ShapeDtypeStruct((16384,), F32)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(jax.grad(lambda *a: jnp.sum(op(*a)), argnums=(0, 1, 2)), x, p, p)
+  assert text.count(TRITON_TARGET) == 3  # forward, rows' sums, chunks
+  assert [m.split("@")[1].split(" ")[0] for m in modules] == [
+      "tokamax_layer_norm_bwd_row_sums_loop_stages2", "tokamax_layer_norm_bwd_chunks_loop_stages2"]
+  for asm in modules:
+    assert asm.count("tt.num_stages = 2 : i32") == asm.count("scf.for") == 1
 
 
 def test_triton_loop_stages_default_prefetch():
@@ -741,7 +781,25 @@ def test_triton_gpu_measured_configs(dtype, features):
   assert bwd.programs_per_sm == triton_ln._VJP_CONFIGS[itemsize][features][2]
   assert bwd.prefetch == triton_ln._VJP_CONFIGS[itemsize][features][3]
   assert bwd.loop_stages == (triton_ln._VJP_CONFIGS[itemsize][features][4:] or (0,))[0]
+  assert bwd.feature_chunk == (triton_ln._VJP_CONFIGS[itemsize][features][5:] or (0,))[0]
   op = triton_ln.TritonLayerNorm(config=fwd, vjp=triton_ln.TritonLayerNormVjp(config=bwd))
+  check_against_f64(op, (x, scale, offset), ct)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, warps, chunk, loop_stages", [
+    (BF16, 8, 1024, 3), (BF16, 16, 2048, 3), (BF16, 8, 2048, 3), (BF16, 16, 1024, 3),
+    (F32, 8, 1024, 2), (F32, 16, 2048, 2), (F32, 8, 2048, 2), (F32, 16, 1024, 2)])
+def test_triton_gpu_split_backward(dtype, warps, chunk, loop_stages):
+  """The backward in two kernels (feature_chunk) at 16384 features, a
+  ragged last row block, vs f64: y and every gradient."""
+  shape = (4096 + 3, 16384)
+  x, scale, offset, ct_key = make_inputs(shape, -1, True, True, dtype, chunk + warps)
+  ct = jax.random.normal(ct_key, shape, F32)
+  op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(
+      config=triton_ln.TritonLayerNormConfig(
+          block_rows=1, num_warps=warps, programs_per_sm=1, prefetch=0,
+          loop_stages=loop_stages, feature_chunk=chunk)))
   check_against_f64(op, (x, scale, offset), ct)
 
 

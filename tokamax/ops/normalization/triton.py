@@ -135,7 +135,7 @@ _LOOP_CONFIGS = {
         8192: (2, 16, 1), 16384: (1, 16, 1)},
 }
 # Backward of [R, F] views, the same keys, (block_rows, warps,
-# programs_per_sm, prefetch[, loop_stages]) (programs_per_sm: at most that
+# programs_per_sm, prefetch[, loop_stages[, feature_chunk]]) (programs_per_sm: at most that
 # many programs per SM, 0 = 32 // warps). The fastest in H200 sweeps
 # (benchmarks/layer_norm_vjp_sweep.py), vjp-mode ms (the forward included)
 # against the best without loop_stages in the same run:
@@ -148,16 +148,23 @@ _LOOP_CONFIGS = {
 # 16384 the rule's. With loop_stages (2026-12-04 05:40, vjp-mode ms against
 # the entries before): 1024 0.355 against 0.371 (65536 rows); 8192 0.346
 # against 0.367 (8192 rows).
+# 16384 features (2026-12-04 10:45, vjp-mode ms at 4096x16384): the
+# backward split in two kernels over 2048-feature chunks (6th element,
+# feature_chunk), bf16 0.251 against 0.381 in one kernel, f32 0.493 against
+# 1.746 (XLA 0.530 / 0.737): one kernel cannot hold a row of x, dy, scale
+# and the program's dscale/doffset sums in registers there.
 _VJP_CONFIGS = {
     2: {512: (32, 8, 1, 0, 3), 1024: (4, 4, 2, 0, 3), 2048: (2, 4, 2, 0, 3),
-        4096: (1, 4, 2, 0, 3), 8192: (1, 8, 1, 0, 3), 16384: (1, 8, 1, 0, 3)},
+        4096: (1, 4, 2, 0, 3), 8192: (1, 8, 1, 0, 3), 16384: (1, 8, 1, 0, 3, 2048)},
     4: {512: (2, 4, 0, 0), 1024: (4, 4, 1, 0, 3), 2048: (1, 8, 0, 0),
-        4096: (1, 16, 0, 0), 8192: (1, 8, 1, 0, 3), 16384: (1, 16, 0, 0)},
+        4096: (1, 16, 0, 0), 8192: (1, 8, 1, 0, 3), 16384: (1, 8, 1, 0, 2, 2048)},
 }
 # Loop stages of the [pre, F, post] column kernels' heuristic (statistics,
 # backward sums): H200 2026-12-04, forward+backward 2-10 % faster at 5 of 6
 # shapes measured (docs/benchmarks.md).
 _COLUMN_LOOP_STAGES = 3
+# Programs per SM of the split [R, F] backward's second kernel (feature_chunk).
+_CHUNK_PROGRAMS_PER_SM = 8
 
 
 @pydantic.dataclasses.dataclass(frozen=True)
@@ -176,6 +183,11 @@ class TritonLayerNormConfig:
   loop into a shared-memory ring n - 1 trips ahead (cp.async; see
   pallas_triton.pallas_call). It leaves loads made a trip ahead by
   `prefetch` (loop-carried values) alone.
+  feature_chunk (backward, [R, F] views): 0 runs one kernel, which keeps a
+  row of x, dy and scale and the program's dscale/doffset sums ([F] each)
+  in registers; n splits it in two: the rows' sums of g * xhat and g, then
+  dx and the dscale/doffset partials over n-feature chunks (reads x and dy
+  twice; for F too wide for one program's registers).
   """
 
   block_rows: pydantic.PositiveInt = 1
@@ -184,6 +196,14 @@ class TritonLayerNormConfig:
   num_stages: pydantic.PositiveInt = 2
   prefetch: pydantic.NonNegativeInt | None = None
   loop_stages: pydantic.NonNegativeInt = 0
+  feature_chunk: pydantic.NonNegativeInt = 0
+
+  @pydantic.field_validator("feature_chunk")
+  @classmethod
+  def _chunk(cls, v: int) -> int:
+    if v and (v < 16 or not _is_pow2(v)):
+      raise ValueError(f"feature_chunk must be 0 (off) or a power of 2 >= 16, got {v}")
+    return v
 
   @pydantic.field_validator("loop_stages")
   @classmethod
@@ -251,15 +271,17 @@ def _heuristic_config(rows, features, itemsize, post, backward):
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
   table = (_VJP_CONFIGS if backward else _LOOP_CONFIGS).get(itemsize, {})
   if fp in table:
+    chunk = 0
     if backward:
       block_rows, warps, programs_per_sm, prefetch, *stages = table[fp]
+      stages, chunk = (stages + [0])[:1], (stages[1:] + [0])[0]
     else:
       block_rows, warps, programs_per_sm, *stages = table[fp]
       prefetch = 0 if stages else None
     return TritonLayerNormConfig(
         block_rows=min(block_rows, _next_pow2(rows)), num_warps=warps,
         programs_per_sm=programs_per_sm, prefetch=prefetch,
-        loop_stages=stages[0] if stages else 0)
+        loop_stages=stages[0] if stages else 0, feature_chunk=chunk)
   warps = _warps_for(fp)
   block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
   block_rows = min(block_rows, _prev_pow2(_VALUES_PER_THREAD * 32 * warps // fp))
@@ -308,7 +330,8 @@ def _programs_per_sm(block_rows: int, itemsize: int) -> int:
 def search_space(rows: int, features: int, itemsize: int, post: int = 1,
                  backward: bool = False) -> set[TritonLayerNormConfig]:
   """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread;
-  the [R, F] forward also one-warp programs (1-2 rows, 16 or 32 per SM);
+  the [R, F] forward also one-warp programs (1-2 rows, 16 or 32 per SM), the
+  [R, F] backward above 8192 features also split (feature_chunk 2048);
   backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; loops (looping
   forward programs, the backward) with and without loop_stages 3; the
   [pre, F, post] column kernels (backward, and forward where
@@ -342,6 +365,8 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
         configs.add(TritonLayerNormConfig(block_rows=block_rows, num_warps=warps,
                                           programs_per_sm=pps, prefetch=prefetch,
                                           loop_stages=stages))
+  if backward and post == 1 and fp > 8192:  # the split backward too
+    configs |= {dataclasses.replace(c, feature_chunk=2048) for c in configs}
   configs.add(h)  # (the [pre, F, post] forward's holds up to 128 values/thread)
   return configs
 
@@ -594,6 +619,92 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
     pltr.store(dscale_ref.at[col], acc_ds, mask=col_ok)
   if has_offset:
     pltr.store(doffset_ref.at[col], acc_db, mask=col_ok)
+
+
+def _bwd_row_sums_kernel(*refs, view: _View, num_programs, iters, scale_offset,
+                         subtract_mean, has_scale):
+  """Split [R, F] backward, kernel 1: per row, sum(g * xhat) / F and sum(g) /
+  F (g = dy * (scale + scale_offset), dy without scale), f32 [R] each.
+
+  Program g handles row blocks g, g + G, ...; x, dy and scale are read once.
+  """
+  refs = list(refs)
+  x_ref, dy_ref, mean_ref, rstd_ref, scale_ref = _bwd_inputs(refs, subtract_mean, has_scale)
+  proj_ref = refs.pop(0)
+  gmean_ref = refs.pop(0) if subtract_mean else None
+  f = view.features
+  g_id = _i32(pl.program_id(0))  # outside the loop (interpret mode)
+  w = _load_param(scale_ref, view.fp, f, scale_offset) if has_scale else None
+
+  def body(k, carry):
+    v0 = _i32((g_id + k * num_programs) * view.block)
+    tile, vec_ok, mask = view.tile(None, v0)
+    stat = view.stat(None, v0)
+    x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
+    dy = pltr.load(dy_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
+    rstd = pltr.load(rstd_ref.at[stat], mask=vec_ok, other=0.0)[:, None]
+    if subtract_mean:
+      mean = pltr.load(mean_ref.at[stat], mask=vec_ok, other=0.0)[:, None]
+      xhat = jnp.where(mask, (x - mean) * rstd, 0.0)
+    else:
+      xhat = x * rstd
+    g = dy * w[None, :] if has_scale else dy
+    pltr.store(proj_ref.at[stat], jnp.sum(g * xhat, axis=1) / f, mask=vec_ok)
+    if subtract_mean:
+      pltr.store(gmean_ref.at[stat], jnp.sum(g, axis=1) / f, mask=vec_ok)
+    return carry
+
+  lax.fori_loop(_i32(0), _i32(iters), body, _i32(0))
+
+
+def _bwd_chunk_kernel(*refs, view: _View, chunk: int, num_programs, iters,
+                      scale_offset, subtract_mean, has_scale, has_offset):
+  """Split [R, F] backward, kernel 2: program (c, g) writes dx of features
+  [c * chunk, (c + 1) * chunk) of row blocks g, g + G, ..., with the row sums
+  of kernel 1: dx = rstd * (g - sum(g)/F - xhat * sum(g * xhat)/F), and those
+  features' dscale/doffset partial sums to row g of the [G, F] buffers."""
+  refs = list(refs)
+  x_ref, dy_ref, mean_ref, rstd_ref, scale_ref = _bwd_inputs(refs, subtract_mean, has_scale)
+  proj_ref = refs.pop(0)
+  gmean_ref = refs.pop(0) if subtract_mean else None
+  dx_ref = refs.pop(0)
+  dscale_ref = refs.pop(0) if has_scale else None
+  doffset_ref = refs.pop(0) if has_offset else None
+  f, block = view.features, view.block
+  c, g_id = _i32(pl.program_id(0)), _i32(pl.program_id(1))
+  f0 = c * chunk
+  col_ok = f0 + jnp.arange(chunk) < f
+  w = _load_param(scale_ref, chunk, f, scale_offset, f0) if has_scale else None
+
+  def body(k, carry):
+    acc_ds, acc_db = carry
+    v0 = _i32((g_id + k * num_programs) * block)
+    vec_ok = v0 + jnp.arange(block) < view.pre
+    mask = vec_ok[:, None] & col_ok[None, :]
+    idx = (pl.ds(v0, block), pl.ds(f0, chunk))
+    stat = (pl.ds(v0, block),)
+    x = pltr.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+    dy = pltr.load(dy_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+    row = lambda ref: pltr.load(ref.at[stat], mask=vec_ok, other=0.0)[:, None]
+    rstd = row(rstd_ref)  # rows out of range: rstd = 0, so xhat = dx = 0
+    xhat = jnp.where(mask, (x - row(mean_ref)) * rstd, 0.0) if subtract_mean else x * rstd
+    g = dy * w[None, :] if has_scale else dy
+    centred = g - row(gmean_ref) if subtract_mean else g
+    dx = rstd * (centred - xhat * row(proj_ref))
+    pltr.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
+    if has_scale:
+      acc_ds = acc_ds + jnp.sum(dy * xhat, axis=0)
+    if has_offset:
+      acc_db = acc_db + jnp.sum(dy, axis=0)
+    return acc_ds, acc_db
+
+  zeros = jnp.zeros((chunk,), jnp.float32)
+  acc_ds, acc_db = lax.fori_loop(_i32(0), _i32(iters), body, (zeros, zeros))
+  part = (g_id, pl.ds(f0, chunk))
+  if has_scale:
+    pltr.store(dscale_ref.at[part], acc_ds, mask=col_ok)
+  if has_offset:
+    pltr.store(doffset_ref.at[part], acc_db, mask=col_ok)
 
 
 def _feature_chunk(block: int, features: int, itemsize: int) -> int:
@@ -937,15 +1048,6 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
 
   implementation = "triton"
 
-  def preferred(self, ba):
-    # Slower than XLA's on the H200 for [R, F] f32 x above 8192 features
-    # (0.46 against 1.09 TB/s at 4096x16384); implementation=None takes the
-    # XLA VJP there. The [pre, F, post] backward after the Triton forward
-    # beat XLA's VJP after it at 7 of 11 shapes (up to 1.53x, 3 slower by
-    # 0.5-9 %; docs/benchmarks.md 2026-12-04).
-    _, f, itemsize, post = _rows_features(ba)
-    return not (post == 1 and itemsize == 4 and f > 8192)
-
   def _fwd(
       self, *, residuals, out, dout, x, scale, offset, axis, epsilon,
       scale_offset, subtract_mean, config, return_residuals,
@@ -994,6 +1096,9 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
     inputs.append(rstd.reshape(stat_shape).astype(jnp.float32))
     if scale is not None:
       inputs.append(scale)
+    if config.feature_chunk:
+      return _bwd_split(inputs, view, config, num_programs, iters, per_sm, scale_offset,
+                        subtract_mean, scale is not None, offset is not None, x.dtype)
     out_shape = [jax.ShapeDtypeStruct(x_shape, x.dtype)]
     partial = jax.ShapeDtypeStruct((num_programs, view.features), jnp.float32)
     out_shape += [partial] * ((scale is not None) + (offset is not None))
@@ -1008,6 +1113,40 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
         name="tokamax_layer_norm_bwd",
     )(*inputs))
     return outs[0], outs[1:]
+
+
+def _bwd_split(inputs, view, config, num_programs, iters, per_sm, scale_offset,
+               subtract_mean, has_scale, has_offset, dtype):
+  """The [R, F] backward by two kernels (config.feature_chunk): the rows'
+  sums, then dx and the partials over [block_rows, feature_chunk] tiles;
+  (dx, partials [G, F] f32)."""
+  flags = dict(scale_offset=float(scale_offset), subtract_mean=subtract_mean,
+               has_scale=has_scale)
+  row_sum = jax.ShapeDtypeStruct((view.pre,), jnp.float32)
+  sums = _pallas_call(
+      functools.partial(_bwd_row_sums_kernel, view=view, num_programs=num_programs,
+                        iters=iters, **flags),
+      out_shape=[row_sum] * (1 + subtract_mean), grid=(num_programs,), config=config,
+      name="tokamax_layer_norm_bwd_row_sums",
+  )(*inputs)
+  chunk = min(config.feature_chunk, view.fp)
+  chunks = pl.cdiv(view.features, chunk)
+  # Row groups: about _CHUNK_PROGRAMS_PER_SM programs per SM over all chunks
+  # (a program holds one [block_rows, chunk] tile: few registers).
+  work = pl.cdiv(view.pre, view.block)
+  programs = _num_sms() * max(per_sm, _CHUNK_PROGRAMS_PER_SM)
+  iters2 = pl.cdiv(work, min(work, max(1, programs // chunks)))
+  groups = pl.cdiv(work, iters2)
+  out_shape = [jax.ShapeDtypeStruct((view.pre, view.features), dtype)]
+  partial = jax.ShapeDtypeStruct((groups, view.features), jnp.float32)
+  out_shape += [partial] * (has_scale + has_offset)
+  outs = list(_pallas_call(
+      functools.partial(_bwd_chunk_kernel, view=view, chunk=chunk, num_programs=groups,
+                        iters=iters2, has_offset=has_offset, **flags),
+      out_shape=out_shape, grid=(chunks, groups), config=config,
+      name="tokamax_layer_norm_bwd_chunks",
+  )(*inputs, *sums))
+  return outs[0], outs[1:]
 
 
 @dataclasses.dataclass(frozen=True)
