@@ -589,10 +589,8 @@ def test_triton_lowers_for_cuda(case):
   assert grad_text.count(TRITON_TARGET) == forward + backward
 
 
-@pytest.mark.parametrize("shape, axis", [((8192, 8192), -1), ((16, 1024, 4096), 1)])
-def test_triton_loop_stages_lowering(monkeypatch, shape, axis):
-  """config.loop_stages puts Triton's tt.num_stages on every loop of every
-  kernel the config launches (forward and backward), and nowhere else."""
+def _spy_loop_stages(monkeypatch) -> list[str]:
+  """The asm of every Triton module given loop stages while lowering."""
   modules = []
   set_stages = pallas_triton._set_loop_stages
 
@@ -601,6 +599,14 @@ def test_triton_loop_stages_lowering(monkeypatch, shape, axis):
     modules.append(module.operation.get_asm())
 
   monkeypatch.setattr(pallas_triton, "_set_loop_stages", spy)
+  return modules
+
+
+@pytest.mark.parametrize("shape, axis", [((8192, 8192), -1), ((16, 1024, 4096), 1)])
+def test_triton_loop_stages_lowering(monkeypatch, shape, axis):
+  """config.loop_stages puts Triton's tt.num_stages on every loop of every
+  kernel the config launches (forward and backward), and nowhere else."""
+  modules = _spy_loop_stages(monkeypatch)
   config = triton_ln.TritonLayerNormConfig(
       block_rows=2 if axis == -1 else 32, num_warps=8,
       programs_per_sm=1 if axis == -1 else 0, prefetch=0, loop_stages=3)
@@ -633,14 +639,7 @@ def test_triton_loop_stages_lowering(monkeypatch, shape, axis):
 def test_triton_split_backward_lowering(monkeypatch):
   """config.feature_chunk: the [R, F] backward lowers for CUDA as two
   kernels (rows' sums, then feature chunks), each loop with loop_stages."""
-  modules = []
-  set_stages = pallas_triton._set_loop_stages
-
-  def spy(module, stages):
-    set_stages(module, stages)
-    modules.append(module.operation.get_asm())
-
-  monkeypatch.setattr(pallas_triton, "_set_loop_stages", spy)
+  modules = _spy_loop_stages(monkeypatch)
   config = triton_ln.TritonLayerNormConfig(block_rows=1, num_warps=16, programs_per_sm=1,
                                            prefetch=0, loop_stages=2, feature_chunk=2048)
   op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(config=config))
