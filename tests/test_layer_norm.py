@@ -317,6 +317,30 @@ class TestTritonInterpret(LayerNormTestBase):
     with pytest.raises(NotImplementedError, match="triton.*16384"):
       jax.eval_shape(self.layer_norm, x)
 
+  @pytest.mark.parametrize("with_scale, with_offset, subtract_mean, dtype", [
+      (False, False, True, F32), (True, False, False, BF16), (False, True, True, F16)])
+  def test_split_backward_params(self, monkeypatch, with_scale, with_offset,
+                                 subtract_mean, dtype):
+    """The split backward (feature_chunk) without scale, offset or both,
+    LayerNorm and RMSNorm, 16-bit x: 3 row blocks over 2 programs, 100
+    features in 32-feature chunks (the last partly masked)."""
+    monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
+    config = triton_ln.TritonLayerNormConfig(block_rows=4, num_warps=4, programs_per_sm=2,
+                                             prefetch=0, feature_chunk=32)
+    op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(config=config))
+    x, scale, offset, ct_key = make_inputs((11, 100), -1, with_scale, with_offset, dtype, 5)
+    ct = jax.random.normal(ct_key, x.shape, F32)
+    static = dict(subtract_mean=subtract_mean)
+    argnums = tuple(i for i, a in enumerate((x, scale, offset)) if a is not None)
+    grads = jax.grad(lambda *a: jnp.sum(op(*a, **static).astype(F32) * ct),
+                     argnums=argnums)(x, scale, offset)
+    ref_args = [None if a is None else reference.f64(a) for a in (x, scale, offset)]
+    ref_grads = jax.grad(lambda *a: jnp.sum(reference.layer_norm(*a, **static) * ct),
+                         argnums=argnums)(*ref_args)
+    _, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
+    for i, g, r in zip(argnums, grads, ref_grads):
+      reference.assert_close(g, r, grad_tol, ("dx", "dscale", "doffset")[i])
+
   @pytest.mark.parametrize("programs_per_sm, prefetch, loop_stages, feature_chunk", [
       (0, 1, 0, 0), (2, 1, 0, 0), (3, 0, 0, 0), (3, 1, 0, 0), (3, 2, 0, 0), (3, 0, 3, 0),
       (2, 0, 0, 16), (3, 0, 3, 32)])
