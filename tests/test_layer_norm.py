@@ -452,6 +452,9 @@ def test_triton_heuristics_and_search_space(rows, features, itemsize, expected):
   one_warp = {c.programs_per_sm for c in space if c.num_warps == 1}
   assert one_warp == ({16, 32} if 128 <= triton_ln._next_pow2(features) <= 2048 else set())
   assert {c.programs_per_sm for c in space if c.num_warps > 1} == {0, 1, 2, 4, 8}
+  if h.num_warps == 1:  # multi-warp candidates around the rule's rows
+    rule = triton_ln._rule_block_rows(rows, triton_ln._next_pow2(features), itemsize)
+    assert rule in {c.block_rows for c in space if c.num_warps > 1}
   # Loop stages only for looping programs, without register prefetch.
   assert {c.loop_stages for c in space} == {0, 3}
   assert all(c.programs_per_sm and c.prefetch == 0 for c in space if c.loop_stages)

@@ -283,13 +283,19 @@ def _heuristic_config(rows, features, itemsize, post, backward):
         programs_per_sm=programs_per_sm, prefetch=prefetch,
         loop_stages=stages[0] if stages else 0, feature_chunk=chunk)
   warps = _warps_for(fp)
-  block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
-  block_rows = min(block_rows, _prev_pow2(_VALUES_PER_THREAD * 32 * warps // fp))
-  block_rows = max(1, min(block_rows, _next_pow2(rows)))
+  block_rows = _rule_block_rows(rows, fp, itemsize)
   return TritonLayerNormConfig(
       block_rows=block_rows, num_warps=warps,
       programs_per_sm=0 if backward else _programs_per_sm(block_rows, itemsize),
       prefetch=0 if backward else None)
+
+
+def _rule_block_rows(rows: int, fp: int, itemsize: int) -> int:
+  """Rows per tile by the rule: ~_TARGET_BYTES moved per program, at most
+  _VALUES_PER_THREAD f32 values per thread at _warps_for(fp) warps."""
+  block_rows = _prev_pow2(_TARGET_BYTES // (2 * fp * itemsize))
+  block_rows = min(block_rows, _prev_pow2(_VALUES_PER_THREAD * 32 * _warps_for(fp) // fp))
+  return max(1, min(block_rows, _next_pow2(rows)))
 
 
 def _slab_columns(post: int, features: int) -> int:
@@ -329,7 +335,8 @@ def _programs_per_sm(block_rows: int, itemsize: int) -> int:
 
 def search_space(rows: int, features: int, itemsize: int, post: int = 1,
                  backward: bool = False) -> set[TritonLayerNormConfig]:
-  """block_rows in [h/2, 4h] of the heuristic h, warps 4/8/16; 4-64 values/thread;
+  """block_rows in [h/2, 4h] of the heuristic h (of the rule's where h has one
+  warp), warps 4/8/16; 4-64 values/thread;
   the [R, F] forward also one-warp programs (1-2 rows, 16 or 32 per SM), the
   [R, F] backward above 8192 features also split (feature_chunk 2048);
   backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; loops (looping
@@ -352,7 +359,10 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
                                       prefetch=0, loop_stages=3)
                 for b, pps in itertools.product((1, 2), (16, 32))
                 if 4 <= b * fp / 32 <= 64 and b <= limit}
-  for block_rows in (h.block_rows // 2, h.block_rows, 2 * h.block_rows, 4 * h.block_rows):
+  # Multi-warp candidates around the heuristic's rows (the rule's where the
+  # heuristic runs one-warp programs).
+  anchor = h.block_rows if h.num_warps > 1 else _rule_block_rows(rows, fp, itemsize)
+  for block_rows in (anchor // 2, anchor, 2 * anchor, 4 * anchor):
     if block_rows < 1 or block_rows > limit:
       continue
     for warps, pps, (prefetch, stages) in itertools.product(
