@@ -271,17 +271,16 @@ def _heuristic_config(rows, features, itemsize, post, backward):
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
   table = (_VJP_CONFIGS if backward else _LOOP_CONFIGS).get(itemsize, {})
   if fp in table:
-    chunk = 0
+    # Missing trailing fields are 0 (no loop stages, no split).
     if backward:
-      block_rows, warps, programs_per_sm, prefetch, *stages = table[fp]
-      stages, chunk = (stages + [0])[:1], (stages[1:] + [0])[0]
+      block_rows, warps, programs_per_sm, prefetch, stages, chunk = (*table[fp], 0, 0)[:6]
     else:
-      block_rows, warps, programs_per_sm, *stages = table[fp]
-      prefetch = 0 if stages else None
+      block_rows, warps, programs_per_sm, stages = (*table[fp], 0)[:4]
+      prefetch, chunk = (0 if stages else None), 0
     return TritonLayerNormConfig(
         block_rows=min(block_rows, _next_pow2(rows)), num_warps=warps,
-        programs_per_sm=programs_per_sm, prefetch=prefetch,
-        loop_stages=stages[0] if stages else 0, feature_chunk=chunk)
+        programs_per_sm=programs_per_sm, prefetch=prefetch, loop_stages=stages,
+        feature_chunk=chunk)
   warps = _warps_for(fp)
   block_rows = _rule_block_rows(rows, fp, itemsize)
   return TritonLayerNormConfig(
@@ -558,6 +557,12 @@ def _bwd_inputs(refs, subtract_mean: bool, has_scale: bool):
   return x_ref, dy_ref, mean_ref, rstd_ref, scale_ref
 
 
+def _xhat(x, mean, rstd, mask):
+  """(x - mean) * rstd, 0 where masked (x * rstd without mean); mean and
+  rstd broadcast against the tile."""
+  return x * rstd if mean is None else jnp.where(mask, (x - mean) * rstd, 0.0)
+
+
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
                 subtract_mean, has_scale, has_offset, prefetch):
   """[R, F] views: dx and per-program partial dscale/doffset; x and dy loaded
@@ -600,12 +605,9 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
     else:
       x, dy = load_x_dy(blk, jnp.float32)
     # Vectors out of range get rstd = 0, hence xhat = dx = 0.
-    rstd = view.per_vector(pltr.load(rstd_ref.at[stat], mask=vec_ok, other=0.0))
-    if subtract_mean:
-      mean = view.per_vector(pltr.load(mean_ref.at[stat], mask=vec_ok, other=0.0))
-      xhat = jnp.where(mask, (x - mean) * rstd, 0.0)
-    else:
-      xhat = x * rstd
+    stat_of = lambda ref: view.per_vector(pltr.load(ref.at[stat], mask=vec_ok, other=0.0))
+    rstd = stat_of(rstd_ref)
+    xhat = _xhat(x, stat_of(mean_ref) if subtract_mean else None, rstd, mask)
     g = dy * view.per_feature(w) if has_scale else dy
     proj = view.per_vector(jnp.sum(g * xhat, axis=fa) / f)
     if subtract_mean:
@@ -652,12 +654,9 @@ def _bwd_row_sums_kernel(*refs, view: _View, num_programs, iters, scale_offset,
     stat = view.stat(None, v0)
     x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
     dy = pltr.load(dy_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-    rstd = pltr.load(rstd_ref.at[stat], mask=vec_ok, other=0.0)[:, None]
-    if subtract_mean:
-      mean = pltr.load(mean_ref.at[stat], mask=vec_ok, other=0.0)[:, None]
-      xhat = jnp.where(mask, (x - mean) * rstd, 0.0)
-    else:
-      xhat = x * rstd
+    row = lambda ref: pltr.load(ref.at[stat], mask=vec_ok, other=0.0)[:, None]
+    rstd = row(rstd_ref)
+    xhat = _xhat(x, row(mean_ref) if subtract_mean else None, rstd, mask)
     g = dy * w[None, :] if has_scale else dy
     pltr.store(proj_ref.at[stat], jnp.sum(g * xhat, axis=1) / f, mask=vec_ok)
     if subtract_mean:
@@ -697,7 +696,7 @@ def _bwd_chunk_kernel(*refs, view: _View, chunk: int, num_programs, iters,
     dy = pltr.load(dy_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
     row = lambda ref: pltr.load(ref.at[stat], mask=vec_ok, other=0.0)[:, None]
     rstd = row(rstd_ref)  # rows out of range: rstd = 0, so xhat = dx = 0
-    xhat = jnp.where(mask, (x - row(mean_ref)) * rstd, 0.0) if subtract_mean else x * rstd
+    xhat = _xhat(x, row(mean_ref) if subtract_mean else None, rstd, mask)
     g = dy * w[None, :] if has_scale else dy
     centred = g - row(gmean_ref) if subtract_mean else g
     dx = rstd * (centred - xhat * row(proj_ref))
