@@ -330,16 +330,7 @@ class TestTritonInterpret(LayerNormTestBase):
     op = triton_ln.TritonLayerNorm(vjp=triton_ln.TritonLayerNormVjp(config=config))
     x, scale, offset, ct_key = make_inputs((11, 100), -1, with_scale, with_offset, dtype, 5)
     ct = jax.random.normal(ct_key, x.shape, F32)
-    static = dict(subtract_mean=subtract_mean)
-    argnums = tuple(i for i, a in enumerate((x, scale, offset)) if a is not None)
-    grads = jax.grad(lambda *a: jnp.sum(op(*a, **static).astype(F32) * ct),
-                     argnums=argnums)(x, scale, offset)
-    ref_args = [None if a is None else reference.f64(a) for a in (x, scale, offset)]
-    ref_grads = jax.grad(lambda *a: jnp.sum(reference.layer_norm(*a, **static) * ct),
-                         argnums=argnums)(*ref_args)
-    _, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
-    for i, g, r in zip(argnums, grads, ref_grads):
-      reference.assert_close(g, r, grad_tol, ("dx", "dscale", "doffset")[i])
+    check_against_f64(op, (x, scale, offset), ct, subtract_mean=subtract_mean)
 
   @pytest.mark.parametrize("programs_per_sm, prefetch, loop_stages, feature_chunk", [
       (0, 1, 0, 0), (2, 1, 0, 0), (3, 0, 0, 0), (3, 1, 0, 0), (3, 2, 0, 0), (3, 0, 3, 0),
@@ -776,18 +767,19 @@ def test_triton_gpu_looped_forward_bf16_params(shape, block_rows, warps, program
 
 def check_against_f64(f, args, ct, **static):
   """f(x, scale, offset, **static) (jitted) and its gradients vs the f64
-  reference, with the tolerances of x's dtype; ct: the cotangent of y."""
+  reference, with the tolerances of x's dtype; ct: the cotangent of y;
+  scale and offset may be None (no gradient for them then)."""
   fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(args[0].dtype)]
   f = functools.partial(f, **static)
   ref = functools.partial(reference.layer_norm, **static)
   reference.assert_close(jax.jit(f)(*args), ref(*args), fwd_tol, "forward")
+  argnums = tuple(i for i, a in enumerate(args) if a is not None)
   grads = jax.jit(jax.grad(
-      lambda *a: jnp.sum(f(*a).astype(F32) * ct), argnums=(0, 1, 2)))(*args)
-  ref_grads = jax.grad(
-      lambda *a: jnp.sum(ref(*a) * ct), argnums=(0, 1, 2)
-  )(*map(reference.f64, args))
-  for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
-    reference.assert_close(g, r, grad_tol, name)
+      lambda *a: jnp.sum(f(*a).astype(F32) * ct), argnums=argnums))(*args)
+  ref_args = [None if a is None else reference.f64(a) for a in args]
+  ref_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=argnums)(*ref_args)
+  for i, g, r in zip(argnums, grads, ref_grads):
+    reference.assert_close(g, r, grad_tol, ("dx", "dscale", "doffset")[i])
 
 
 @pytest.mark.gpu

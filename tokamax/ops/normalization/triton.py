@@ -563,6 +563,13 @@ def _xhat(x, mean, rstd, mask):
   return x * rstd if mean is None else jnp.where(mask, (x - mean) * rstd, 0.0)
 
 
+def _stat_loader(view: _View, stat, vec_ok):
+  """ref -> its statistics ([R] or [pre, post]) of the tile's vectors at
+  `stat`, broadcastable against the tile; 0 for vectors out of range (so
+  rstd = 0 gives xhat = dx = 0 there)."""
+  return lambda ref: view.per_vector(pltr.load(ref.at[stat], mask=vec_ok, other=0.0))
+
+
 def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
                 subtract_mean, has_scale, has_offset, prefetch):
   """[R, F] views: dx and per-program partial dscale/doffset; x and dy loaded
@@ -605,7 +612,7 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
     else:
       x, dy = load_x_dy(blk, jnp.float32)
     # Vectors out of range get rstd = 0, hence xhat = dx = 0.
-    stat_of = lambda ref: view.per_vector(pltr.load(ref.at[stat], mask=vec_ok, other=0.0))
+    stat_of = _stat_loader(view, stat, vec_ok)
     rstd = stat_of(rstd_ref)
     xhat = _xhat(x, stat_of(mean_ref) if subtract_mean else None, rstd, mask)
     g = dy * view.per_feature(w) if has_scale else dy
@@ -654,7 +661,7 @@ def _bwd_row_sums_kernel(*refs, view: _View, num_programs, iters, scale_offset,
     stat = view.stat(None, v0)
     x = pltr.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
     dy = pltr.load(dy_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-    row = lambda ref: pltr.load(ref.at[stat], mask=vec_ok, other=0.0)[:, None]
+    row = _stat_loader(view, stat, vec_ok)
     rstd = row(rstd_ref)
     xhat = _xhat(x, row(mean_ref) if subtract_mean else None, rstd, mask)
     g = dy * w[None, :] if has_scale else dy
@@ -694,8 +701,8 @@ def _bwd_chunk_kernel(*refs, view: _View, chunk: int, num_programs, iters,
     stat = (pl.ds(v0, block),)
     x = pltr.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
     dy = pltr.load(dy_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    row = lambda ref: pltr.load(ref.at[stat], mask=vec_ok, other=0.0)[:, None]
-    rstd = row(rstd_ref)  # rows out of range: rstd = 0, so xhat = dx = 0
+    row = _stat_loader(view, stat, vec_ok)
+    rstd = row(rstd_ref)
     xhat = _xhat(x, row(mean_ref) if subtract_mean else None, rstd, mask)
     g = dy * w[None, :] if has_scale else dy
     centred = g - row(gmean_ref) if subtract_mean else g
