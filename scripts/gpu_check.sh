@@ -41,7 +41,7 @@ if [[ $what == ship ]]; then
 fi
 if [[ $what == gpu_tests ]]; then
   # The demo (PART all or 3) and the GPU-marked tests of PART: the whole
-  # suite (~706 tests) takes longer than one 10-minute call (2026-12-02:
+  # suite (~757 tests) takes longer than one 10-minute call (2026-12-02:
   # 92 % in 545 s at -n 14), so a verification is three calls, PART=1
   # (Mosaic and cuDNN attention), 2 (the other attention tests), 3 (layer
   # norm, export). SIGINT at TEST_S, so pytest still prints its summary and
