@@ -667,6 +667,13 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     t, s = (320, 330) if feature != "t_ne_s_causal" else (200, 330)
     self.check(dataclasses.replace(FEATURES[feature], t=t, s=s), BF16, feature)
 
+  @pytest.mark.parametrize("feature", ["causal", "kv_lens", "combined"])
+  def test_192_key_steps(self, feature):
+    """192-key forward steps (three 64-key wgmma contractions; no half step):
+    skip steps, key lengths inside a step, rows and keys past the ends."""
+    self.op = _mosaic_op(block_q=64, block_kv=192, num_stages=2)
+    self.check(dataclasses.replace(FEATURES[feature], t=300, s=400), BF16, feature)
+
   @pytest.mark.parametrize("feature, dq_bk", [
       ("causal", 64), ("causal", 128), ("window_left_right", 64),
       ("t_ne_s_causal", 128), ("combined", 64), ("kv_lens", 64)])
@@ -755,6 +762,27 @@ def test_mosaic_search_space_lowers_for_cuda():
       with tokamax.config.cross_compile("NVIDIA H200"):
         text = _lower_text(lambda q, k, v: op(q, k, v, is_causal=True), q, kv, kv)
       assert text.count(MOSAIC_TARGET) == 1, config
+
+
+@pytest.mark.parametrize("h, config", [
+    (128, (64, 128, 2, 2)), (128, (64, 128, 3, 2)), (128, (64, 192, 2, 2)),
+    (128, (64, 64, 4, 3)), (64, (128, 128, 2, 3)), (64, (64, 128, 4, 2))])
+def test_mosaic_smem_estimate_bounds_the_kernel(monkeypatch, h, config):
+  """smem_bytes (what _fits and the search space go by) is at least what
+  Mosaic GPU allocates for the forward, and at most 2 KiB more: a config
+  it admits never fails to lower, and none that fits is left out."""
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  c = mosaic_attn.MosaicAttentionConfig(*config)
+  monkeypatch.setattr(mosaic_attn, "_fits", lambda *a: True)
+  monkeypatch.setattr(mgpu_core, "_SMEM_SIZE_BOUND", 0)  # always report the size
+  q = jax.ShapeDtypeStruct((1, 512, 2, h), BF16)
+  op = mosaic_attn.MosaicDotProductAttention(config=c)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    with pytest.raises(ValueError, match="smem_bytes=") as e:
+      _lower_text(lambda q, k, v: op(q, k, v), q, q, q)
+  used = int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1))
+  estimate = mosaic_attn.smem_bytes(c, h, h, 2)
+  assert used <= estimate <= used + 2048, (used, estimate)
 
 
 def test_mosaic_refusals():
