@@ -116,11 +116,6 @@ FUSE_DKDV_MAX_WIDTH = 128
 # causal forward+backward 2.817 -> 2.782 ms (2026-12-03). Needs block_kv >=
 # 128 (a wgmma contraction is a multiple of 64).
 HALF_LAST_BLOCK = True
-# Experimental: FA3 Sec. 3.2 intra-warpgroup overlap with P in registers.
-OVERLAP = False
-# How overlapped consumers share the tensor cores: "token" (issues
-# alternate, FA3's named barriers), "rendezvous" (the ping-pong's), "none".
-OVERLAP_SCHED = "token"
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -346,18 +341,15 @@ def _lazy_softmax(z, m, l, acc, raw, interpret: bool):
     m_use = jnp.where(m_new > m + _RESCALE_TAU, m_new, m)
     p = jnp.exp2(z * c - lax.broadcast_in_dim(m_use, z.shape, [0]))
     alpha = jnp.exp2(m - m_use)
-    if acc is None:
-      return p, m_use, l * alpha
     return p, m_use, l * alpha, acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
   wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
-  arrays = ((z, wgmma), (m, row), (l, row)) + (() if acc is None else ((acc, wgmma),))
-  out_types = tuple(plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout)
-                    for x, layout in arrays)
+  out_types = tuple(
+      plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout)
+      for x, layout in ((z, wgmma), (m, row), (l, row), (acc, wgmma)))
 
-  @plgpu.inline_mgpu(arg_types=tuple(layout for _, layout in arrays),
-                     return_type=out_types)
-  def run(_, z, m, l, *acc):
+  @plgpu.inline_mgpu(arg_types=(wgmma, row, row, wgmma), return_type=out_types)
+  def run(_, z, m, l, acc):
     def probs(ref):
       ref = ref.broadcast_in_dim(z.shape, (0,), z.layout)
       return ((z * c if raw is not None else z) - ref).exp2(approx=True)
@@ -367,62 +359,34 @@ def _lazy_softmax(z, m, l, acc, raw, interpret: bool):
     m_new = m.max(z_max * c if raw is not None else z_max)
     grow = m_new > m + _RESCALE_TAU
     m_use = grow.select(m_new, m)
-    keep = (p_fast, l, *acc)
-
-    def redo():
+    flag = None
+    for reg in grow.registers.flat:
+      for i in range(ir.VectorType(reg.type).shape[0]):
+        e = vector.extract(reg, dynamic_position=[], static_position=[i])
+        flag = e if flag is None else arith.ori(flag, e)
+    flag = nvvm.vote_sync(mgpu.utils.c(0xFFFFFFFF, ir.IntegerType.get_signless(32)),
+                          flag, "any")
+    keep = (p_fast, l, acc)
+    regs = [r for x in keep for r in x.registers.flat]
+    branch = scf.IfOp(flag, [r.type for r in regs], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
       alpha = (m - m_use).exp2(approx=True)
-      return (probs(m_use), l * alpha,
-              *(a * alpha.broadcast_in_dim(a.shape, (0,), a.layout) for a in acc))
+      redo = (probs(m_use), l * alpha,
+              acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout))
+      scf.yield_([r for x in redo for r in x.registers.flat])
+    with ir.InsertionPoint(branch.else_block):
+      scf.yield_(regs)
+    results, out = list(branch.results), []
+    for x in keep:
+      n = x.registers.size
+      out.append(mgpu.FragmentedArray(
+          _registers=np.array(results[:n], dtype=object).reshape(x.registers.shape),
+          _layout=x.layout, _is_signed=x.is_signed))
+      results = results[n:]
+    p, l, acc = out
+    return p, m_use, l, acc
 
-    p, l, *acc = _warp_branch(grow, redo, keep)
-    return (p, m_use, l, *acc)
-
-  return run(z, m, l, *(() if acc is None else (acc,)))
-
-
-def _warp_branch(pred, then, keep):
-  """then() (a tuple of arrays like `keep`) if `pred` (a bool array) is true
-  anywhere in the warp, else `keep`: one warp-uniform branch (vote.any)."""
-  flag = None
-  for reg in pred.registers.flat:
-    for i in range(ir.VectorType(reg.type).shape[0]):
-      e = vector.extract(reg, dynamic_position=[], static_position=[i])
-      flag = e if flag is None else arith.ori(flag, e)
-  flag = nvvm.vote_sync(mgpu.utils.c(0xFFFFFFFF, ir.IntegerType.get_signless(32)),
-                        flag, "any")
-  regs = [r for x in keep for r in x.registers.flat]
-  branch = scf.IfOp(flag, [r.type for r in regs], has_else=True)
-  with ir.InsertionPoint(branch.then_block):
-    scf.yield_([r for x in then() for r in x.registers.flat])
-  with ir.InsertionPoint(branch.else_block):
-    scf.yield_(regs)
-  results, out = list(branch.results), []
-  for x in keep:
-    n = x.registers.size
-    out.append(mgpu.FragmentedArray(
-        _registers=np.array(results[:n], dtype=object).reshape(x.registers.shape),
-        _layout=x.layout, _is_signed=x.is_signed))
-    results = results[n:]
-  return out
-
-
-def _rescale_grown(acc, m_old, m_new, interpret: bool):
-  """acc [bq, hvp] times exp2(m_old - m_new) per row, skipped (one branch per
-  warp) when no row of the warp has a new max."""
-  if interpret:
-    return acc * lax.broadcast_in_dim(jnp.exp2(m_old - m_new), acc.shape, [0])
-  wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
-
-  @plgpu.inline_mgpu(arg_types=(wgmma, row, row),
-                     return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, wgmma))
-  def run(_, acc, m_old, m_new):
-    def scaled():
-      alpha = (m_old - m_new).exp2(approx=True)
-      return (acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout),)
-
-    return _warp_branch(m_new > m_old, scaled, (acc,))[0]
-
-  return run(acc, m_old, m_new)
+  return run(z, m, l, acc)
 
 
 def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
@@ -443,16 +407,6 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
 
   b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
       sp, q_len_ref, kv_len_ref, bq, bk, nc)
-  overlap = OVERLAP and nc == 2 and not interpret
-  if overlap:
-    # The overlapped loop runs block lo's Q K^T before the loop and the last
-    # P V after it (a wgmma cannot sit under a runtime condition): CTAs whose
-    # rows see no key get one in-bounds block, all of it masked.
-    empty = hi <= lo
-    lo = jnp.where(empty, jnp.minimum(lo, pl.cdiv(sp.s, bk) - 1), lo)
-    hi = jnp.where(empty, lo + 1, hi)
-    # run_state lowers traced values only, not literals.
-    q_lim, kv_lim = q_lim + wg * 0, kv_lim + wg * 0
 
   # Tensor-core turns. A turn issues a step's P V and the next step's Q K^T.
   # Two consumers: a rendezvous barrier (2 arrivals) after each Q K^T issue
@@ -489,8 +443,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
     # (P V's contraction must stay a multiple of 64: bk >= 128.)
-    if (HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None
-        and not overlap):
+    if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
       segments = _split_last_half(sp, segments, r0, bq, bk, q_lim, kv_lim)
     q_tile = q_smem.at[wg]
     plgpu.copy_gmem_to_smem(
@@ -619,129 +572,25 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       plgpu.barrier_arrive(v_free.at[slot])
       return m_new, l, acc, nxt
 
-    def ov_softmax(qk, j, m, l, masked, tiles):
-      """Online softmax of block j: (m', l', P, alpha), alpha = exp2(m - m')
-      rescaling the accumulator once P_{j-1} V is in (with lazy rescaling,
-      alpha is m: the accumulator is rescaled by _rescale_grown)."""
-      z = logits(qk, j, masked, *tiles)
-      if LAZY_RESCALE and hvp >= 128:
-        p, m_new, l = _lazy_softmax(z, m, l, None, raw, interpret)
-        return m_new, l + p.sum(axis=1), p, m
-      z_max = z.max(axis=1)
-      m_new = jnp.maximum(m, z_max * raw if raw is not None else z_max)
-      m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
-      p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
-      alpha = jnp.exp2(m - m_new)
-      return m_new, l * alpha + p.sum(axis=1), p, alpha
+    carry = (m, l, acc, load_tiles(n, lo))
 
-    def ov_step(j, carry, mode):
-      """FA3 Sec. 3.2 (Alg. 2): issue S_j = Q K_j^T, then O += P_{j-1} V_{j-1}
-      with P in registers; wait for S_j only and run its softmax while P V
-      is on the tensor cores; rescale O once P V is done.
-
-      P_j is converted to 16 bits only after P V is done: the loop-carried P
-      shares its registers with the in-flight operand P_{j-1}, and writing
-      them earlier makes ptxas serialise the two wgmmas (C7513)."""
-      m, l, acc, p16, tiles = carry
-      slot, prev = slot_of(j), slot_of(j - 1)
-      nxt = load_tiles(n, j, 1)
-      plgpu.barrier_wait(k_ready.at[slot])
-      plgpu.barrier_wait(v_ready.at[prev])
-
-      def body(refs):
-        o_ref, m_ref, l_ref, p_ref, alpha_ref = refs
-
-        def with_s(s_ref):
-          ov_take()  # our turn on the tensor cores
-          plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-          plgpu.wgmma(o_ref, p16, v_smem.at[prev])
-          ov_pass()  # the other consumer's turn
-          qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j only
-          plgpu.barrier_arrive(k_free.at[slot])
-          return ov_softmax(qk, j, m_ref[...], l_ref[...], mode != "full", tiles)
-
-        m_ref[...], l_ref[...], p_ref[...], alpha_ref[...] = pl.run_scoped(
-            with_s, plgpu.ACC((bq, bk), jnp.float32))
-
-      p_init = plgpu.layout_cast(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
-      acc, m, l, p, alpha = pl.run_state(body)((plgpu.ACC.init(acc), m, l, p_init, m))
-      # A side-effecting barrier after the wait: P's conversion stays behind it.
-      acc, p = lax.optimization_barrier((acc, p))
-      plgpu.barrier_arrive(v_free.at[prev])
-      if LAZY_RESCALE and hvp >= 128:
-        acc = _rescale_grown(acc, alpha, m, interpret)
-      else:
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return m, l, acc, p.astype(dtype), nxt
-
-    if overlap:  # lo < hi here
+    @pl.when(lo < hi)
+    def _():
       plgpu.barrier_wait(k_ready.at[slot_of(lo)])
 
-      def ov_take():
-        if OVERLAP_SCHED == "token":
-          plgpu.barrier_wait(sched.at[wg])
-        elif OVERLAP_SCHED == "rendezvous":
-          schedule()
-
-      def ov_pass():
-        if OVERLAP_SCHED == "token":
-          plgpu.barrier_arrive(sched.at[1 - wg])
-        elif OVERLAP_SCHED == "rendezvous":
-          schedule()
-
-      if OVERLAP_SCHED == "token":  # WG 0 holds the token first
-        pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
-
-      def first_qk(s_ref):
-        ov_take()
-        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot_of(lo)].T)
-        ov_pass()
-        return s_ref[...]
-
-      qk = pl.run_scoped(first_qk, plgpu.ACC((bq, bk), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot_of(lo)])
-      m, l, p, _ = ov_softmax(qk, lo, m, l, True, load_tiles(n, lo))
-      carry = (m, l, acc, p.astype(dtype), load_tiles(n, lo, 1))
-      # Blocks only the other consumer sees run masked here (the loop issues
-      # block j's S one step ahead, whatever its mode).
-      a = jnp.maximum(segments[2][0], lo + 1)
-      c = jnp.maximum(segments[2][1], a)
-      for start, stop, mode in ((lo + 1, a, "masked"), (a, c, "full"),
-                                (c, hi, "masked")):
-        carry = lax.fori_loop(start, stop, functools.partial(ov_step, mode=mode), carry)
-      m, l, acc, p16, _ = carry
-      last = slot_of(hi - 1)
-      plgpu.barrier_wait(v_ready.at[last])
-
-      def last_pv(o_ref):
-        ov_take()
-        plgpu.wgmma(o_ref, p16, v_smem.at[last])
-        ov_pass()
-
-      acc = pl.run_state(last_pv)(plgpu.ACC.init(acc))
-      if OVERLAP_SCHED == "token":  # WG 0 takes the token's final phase
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))
-      plgpu.barrier_arrive(v_free.at[last])
-    else:
-      carry = (m, l, acc, load_tiles(n, lo))
-
-      @pl.when(lo < hi)
-      def _():
-        plgpu.barrier_wait(k_ready.at[slot_of(lo)])
-
-      if nc == 2:
-        pl.when(wg == 1)(schedule)
-      else:  # WG 0 starts with the token; each WG's first turn issues Q K_0^T
-        pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
-        plgpu.barrier_wait(sched.at[wg])
-      for start, stop, mode in segments:
-        carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
-      if nc == 2:
-        pl.when(wg == 0)(schedule)
-      else:  # pass the last turn on; WG 0 takes the token's final phase
-        pass_turn()
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))
-      m, l, acc, _ = carry
+    if nc == 2:
+      pl.when(wg == 1)(schedule)
+    else:  # WG 0 starts with the token; each WG's first turn issues Q K_0^T
+      pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
+      plgpu.barrier_wait(sched.at[wg])
+    for start, stop, mode in segments:
+      carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
+    if nc == 2:
+      pl.when(wg == 0)(schedule)
+    else:  # pass the last turn on; WG 0 takes the token's final phase
+      pass_turn()
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))
+    m, l, acc, _ = carry
 
     # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
     with jax.named_scope("epilogue"):
@@ -815,7 +664,6 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   tq = q.shape[1]
   nq = pl.cdiv(tq, cta_rows)
   interpret = pallas_mosaic.INTERPRET.value
-  overlap = OVERLAP and nc == 2 and not interpret
   dtype = q.dtype
   scratch = [
       plgpu.SMEM((nc, bq, hp), dtype),
@@ -830,9 +678,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       plgpu.Barrier(num_arrivals=nc, num_barriers=stages),  # k_free
       plgpu.Barrier(num_arrivals=nc, num_barriers=stages),  # v_free
       # sched: the rendezvous (2 consumers) or one token per consumer
-      (plgpu.Barrier(num_arrivals=2)
-       if nc == 2 and not (overlap and OVERLAP_SCHED == "token")
-       else plgpu.Barrier(num_barriers=nc)),
+      plgpu.Barrier(num_arrivals=2) if nc == 2 else plgpu.Barrier(num_barriers=nc),
   ]
   lengths = [
       x.astype(jnp.int32) for x in
