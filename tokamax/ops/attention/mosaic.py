@@ -176,10 +176,9 @@ def smem_bytes(config: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int,
   kv = st * bk * (hp + hvp) * itemsize
   lse = nc * bq * 4 if residuals else 0
   bufs = [q, o, kv // 2, kv // 2, lse]
-  # + barriers and Pallas' own scratch: at most 1200 bytes over the 1 KiB-
-  # rounded buffers in every config of the search grid (Mosaic GPU's
-  # lowering, jax 0.11.2).
-  return sum(_round_up(x, 1024) for x in bufs if x) + 1280
+  # + barriers and Pallas' own scratch: ~2.2 KiB over the 1 KiB-rounded
+  # buffers (test_mosaic_smem_estimate_bounds_the_kernel).
+  return sum(_round_up(x, 1024) for x in bufs if x) + 2560
 
 
 def _pad(x, axis: int, size: int):
