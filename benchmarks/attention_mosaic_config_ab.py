@@ -11,6 +11,7 @@ output checked against cuDNN's. Writes attention_mosaic_config_ab.json.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -18,13 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import common
+from attention_mosaic_flag_ab import SHAPES
 from tokamax.ops.attention import mosaic as mo
 
-SHAPES = {  # label: ((B, T, N, K, H), causal flags)
-    "seed B32 T2048 N16 H64": ((32, 2048, 16, 16, 64), (False, True)),
-    "B8 T4096 N16 H128": ((8, 4096, 16, 16, 128), (False, True)),
-    "GQA B4 T4096 N32 K8 H128": ((4, 4096, 32, 8, 128), (True,)),
-}
+
+def _name(c: mo.MosaicAttentionConfig) -> str:
+  return f"{c.block_q}.{c.block_kv}.{c.num_stages}.{c.consumers}"
 
 
 def main(out_dir=".", configs="64.128.2.2,64.192.2.2", words="", rounds="2"):
@@ -43,17 +43,14 @@ def main(out_dir=".", configs="64.128.2.2,64.192.2.2", words="", rounds="2"):
           q, k, v, is_causal=causal, implementation="cudnn")
       ref = np.asarray(jax.jit(cud)(*arrays), np.float32)
       row = dict(shape=label, causal=causal, cudnn_ms=common.median_ms(cud, (q, kv, kv)))
-      for c in cfgs:
-        op = mo.MosaicDotProductAttention(config=c)
-        out = np.asarray(jax.jit(lambda q, k, v: op(q, k, v, is_causal=causal))(*arrays),
-                         np.float32)
-        row[f"{c.block_q}.{c.block_kv}.{c.num_stages}.{c.consumers}_max_err"] = float(
-            np.max(np.abs(out - ref)))
+      fns = {_name(c): functools.partial(mo.MosaicDotProductAttention(config=c),
+                                         is_causal=causal) for c in cfgs}
+      for name, f in fns.items():
+        out = np.asarray(jax.jit(f)(*arrays), np.float32)
+        row[f"{name}_max_err"] = float(np.max(np.abs(out - ref)))
       for rep in range(int(rounds)):
-        for c in cfgs:
-          op = mo.MosaicDotProductAttention(config=c)
-          ms = common.median_ms(lambda q, k, v: op(q, k, v, is_causal=causal), (q, kv, kv))
-          row[f"{c.block_q}.{c.block_kv}.{c.num_stages}.{c.consumers}_ms_{rep}"] = ms
+        for name, f in fns.items():
+          row[f"{name}_ms_{rep}"] = common.median_ms(f, (q, kv, kv))
       row["tflops_per_ms"] = flops / 1e9
       rows.append(row)
       print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
