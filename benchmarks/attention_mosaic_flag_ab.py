@@ -1,13 +1,14 @@
 """A/B of a compile-time switch of the "mosaic" (or "triton") attention module (GPU).
 
-Usage: python benchmarks/attention_mosaic_flag_ab.py [OUT_DIR] [FLAG] [A,B] [MODES] [SHAPES]
+Usage: python benchmarks/attention_mosaic_flag_ab.py [OUT_DIR] [FLAG] [A,B] [MODES] [SHAPES] [CAUSAL]
 FLAG is a module-level constant of tokamax.ops.attention.mosaic (default
 SUM_UNDER_PV), or "triton.NAME" for one of tokamax.ops.attention.triton, or
 several of one module, comma-separated; A,B two Python literals for it
 (default False,True), tuples for several flags (e.g. FLAG
 "_PRODUCER_REGS,FUSE_DKDV_MAX_WIDTH" with "(40,128),(24,256)"), MODES "forward" or
 "forward,forward_and_vjp" (default), SHAPES comma-separated words matched
-against the shape labels (default all). At the benchmark shapes: cuDNN
+against the shape labels (default all), CAUSAL "causal" or "noncausal" to
+run only those cases (default both). At the benchmark shapes: cuDNN
 (jax.nn), then that module's implementation with FLAG = A, B, A, B (cupti,
 median of 20 each), bf16 random inputs. Writes attention_mosaic_flag_ab.json.
 """
@@ -39,7 +40,7 @@ def _time(f, specs, mode):
 
 
 def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
-         modes="forward,forward_and_vjp", words=""):
+         modes="forward,forward_and_vjp", words="", causal_only=""):
   a, b = ast.literal_eval(f"[{values}]")
   rows = []
   impl, module = "mosaic", mo
@@ -59,6 +60,8 @@ def main(out_dir=".", flag="SUM_UNDER_PV", values="False,True",
     q = jax.ShapeDtypeStruct((batch, t, n, h), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, t, kh, h), jnp.bfloat16)
     for causal in causals:
+      if causal_only and causal != (causal_only == "causal"):
+        continue
       row = dict(shape=label, causal=causal)
       cud = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")

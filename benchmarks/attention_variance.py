@@ -1,11 +1,16 @@
 """Where the spread of forward+backward attention times comes from (GPU).
 
-Usage: python benchmarks/attention_variance.py [OUT_DIR] [ROUNDS] [SHAPES]
+Usage: python benchmarks/attention_variance.py [OUT_DIR] [ROUNDS] [SHAPES] [FLAG VALUES]
 For each shape (SHAPES: comma-separated words of the labels; default the
 non-causal seed and H128 shapes), "mosaic" and cuDNN (jax.nn)
 forward+backward are compiled once each, then timed in ROUNDS alternating
 rounds (default 6), each on freshly allocated random inputs (a new seed),
-20 calls per round, per kernel by CUPTI. nvidia-smi samples the SM clock,
+20 calls per round, per kernel by CUPTI. With FLAG (a module-level constant
+of tokamax.ops.attention.mosaic) and VALUES (comma-separated Python
+literals), "mosaic" is compiled once per value and every round times each
+(an A/B per kernel under the same clocks). Environment PAUSE_S: seconds
+of idle before each timed round (default 0), so that the software power
+cap's clock drops hit fewer rounds. nvidia-smi samples the SM clock,
 power and throttle reasons every 50 ms meanwhile. Writes each round's
 per-kernel medians and the clock samples of that round to
 attention_variance.json.
@@ -13,11 +18,14 @@ attention_variance.json.
 
 from __future__ import annotations
 
+import ast
 import datetime
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +33,15 @@ from jax.experimental.mosaic.gpu import profiler
 
 import common
 from tokamax._src import benchmarking
+from tokamax.ops.attention import mosaic as mosaic_attn
 import tokamax
 
 SHAPES = {  # label: (B, T, N, K, H, causal)
     "seed B32 T2048 N16 H64": (32, 2048, 16, 16, 64, False),
     "B8 T4096 N16 H128": (8, 4096, 16, 16, 128, False),
     "seed causal B32 T2048 N16 H64": (32, 2048, 16, 16, 64, True),
+    "H128 causal B8 T4096 N16": (8, 4096, 16, 16, 128, True),
+    "GQA causal B4 T4096 N32 K8 H128": (4, 4096, 32, 8, 128, True),
 }
 CALLS = 20
 _SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
@@ -71,8 +82,12 @@ def _parse_smi(text):
   return samples
 
 
-def main(out_dir=".", rounds="6", words="seed B32,H128"):
+def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
   rounds = int(rounds)
+  variants = {"mosaic": None}
+  if flag:
+    default = getattr(mosaic_attn, flag)
+    variants = {f"mosaic {flag}={v}": v for v in ast.literal_eval(f"[{values}]")}
   log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
   smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_SMI_FIELDS}",
                           "--format=csv,noheader", "-lms", "50"], stdout=log)
@@ -83,22 +98,26 @@ def main(out_dir=".", rounds="6", words="seed B32,H128"):
         continue
       q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
       kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
-      fns = {
-          "mosaic": lambda q, k, v: tokamax.dot_product_attention(
-              q, k, v, is_causal=causal, implementation="mosaic"),
-          "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-              q, k, v, is_causal=causal, implementation="cudnn"),
-      }
+      mosaic = lambda q, k, v: tokamax.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="mosaic")
+      fns = {name: mosaic for name in variants}
+      fns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="cudnn")
       compiled = {}
       for impl, fn in fns.items():
+        if flag and impl in variants:  # the module reads it while tracing
+          setattr(mosaic_attn, flag, variants[impl])
         f_std, args = benchmarking.standardize_function(fn, q, kv, kv, mode="forward_and_vjp")
         compiled[impl] = (f_std, jax.jit(f_std).lower(*args).compile())
         del args
+        if flag:
+          setattr(mosaic_attn, flag, default)
       for r in range(rounds):
         for impl, (f_std, comp) in compiled.items():
           _, args = benchmarking.standardize_function(
               fns[impl], q, kv, kv, mode="forward_and_vjp", seed=r + 1)
           jax.block_until_ready(comp(*args))  # warm-up
+          time.sleep(float(os.environ.get("PAUSE_S", "0")))
           start = datetime.datetime.now()
           total, kernels = _round(comp, args)
           rows.append(dict(shape=label, causal=causal, impl=impl, round=r,

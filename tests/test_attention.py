@@ -667,6 +667,16 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     t, s = (320, 330) if feature != "t_ne_s_causal" else (200, 330)
     self.check(dataclasses.replace(FEATURES[feature], t=t, s=s), BF16, feature)
 
+  @pytest.mark.parametrize("feature", ["causal", "combined_positional", "combined"])
+  @pytest.mark.parametrize("band", [1, 2])
+  def test_heavy_first_bands(self, monkeypatch, feature, band):
+    """Causal grids in rank bands (HEAVY_FIRST_BAND): 3 query CTAs and 3 key
+    CTAs per (batch, head), so a band of 2 leaves a narrower last band;
+    two batch entries and kv heads, every kernel."""
+    monkeypatch.setattr(mosaic_attn, "HEAVY_FIRST_BAND", band)
+    c = dataclasses.replace(FEATURES[feature], t=300, s=260, n=4, kh=2)
+    self.check(c, BF16, feature)
+
   @pytest.mark.parametrize("feature", ["causal", "kv_lens", "combined"])
   def test_192_key_steps(self, feature):
     """192-key forward steps (three 64-key wgmma contractions; no half step):
@@ -713,6 +723,41 @@ MOSAIC_LOWER_CASES = {
     "seed_bias_mask_causal": ((32, 2048, 2048, 16, 16, 64, 64), "bias_mask"),
     "H256_bias_mask": ((2, 1000, 1100, 4, 2, 256, 256), "bias_mask"),
 }
+
+
+@pytest.mark.parametrize("bsz, heads, blocks, band", [
+    (2, 3, 7, 7), (2, 3, 7, 1), (2, 3, 7, 3), (1, 1, 5, 2), (3, 2, 4, 4)])
+def test_mosaic_cta_order(bsz, heads, blocks, band):
+  """The flat grid visits every (batch, head, rank) once, bands of ranks in
+  order (all of band 0 before band 1), (batch, head) order inside a band."""
+  total = bsz * heads * blocks
+  b, n, r = jax.vmap(lambda _: mosaic_attn._cta_coords(bsz, heads, blocks, band),
+                     axis_name="cta")(jnp.arange(total))
+  coords = list(zip(b.tolist(), n.tolist(), r.tolist()))
+  assert sorted(coords) == [(i, j, k) for i in range(bsz) for j in range(heads)
+                            for k in range(blocks)]
+  bands = [k // band for _, _, k in coords]
+  assert bands == sorted(bands)
+  for i in range(total - 1):  # inside a band: (batch, head) then rank order
+    if bands[i] == bands[i + 1]:
+      assert coords[i] < coords[i + 1]
+
+
+def test_mosaic_heavy_first_band_rule():
+  """Bands only for causal/right-window grids of few CTAs per SM."""
+  def spec(**kwargs):
+    q = jnp.zeros((1, 8, 1, 64), BF16)
+    return triton_attn.Spec.of(dict(
+        query=q, key=q, value=q, bias=None, mask=None, query_seq_lengths=None,
+        key_value_seq_lengths=None, is_causal=False, local_window_size=None,
+        logits_soft_cap=None, scale=0.125, precision=None) | kwargs)
+  band = mosaic_attn.HEAVY_FIRST_BAND
+  few = mosaic_attn.HEAVY_FIRST_MAX_WAVES * mosaic_attn._SMS // 32
+  assert mosaic_attn._band(spec(is_causal=True), 32, few) == band
+  assert mosaic_attn._band(spec(is_causal=True), 33, few) == few  # many CTAs
+  assert mosaic_attn._band(spec(), 32, few) == few  # equal CTAs: no tail
+  assert mosaic_attn._band(spec(local_window_size=(4, 2)), 32, few) == band
+  assert mosaic_attn._band(spec(is_causal=True), 4, 3) == 3
 
 
 @pytest.mark.parametrize("name", sorted(MOSAIC_LOWER_CASES))

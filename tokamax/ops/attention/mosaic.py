@@ -116,6 +116,24 @@ FUSE_DKDV_MAX_WIDTH = 128
 # causal forward+backward 2.817 -> 2.782 ms (2026-12-03). Needs block_kv >=
 # 128 (a wgmma contraction is a multiple of 64).
 HALF_LAST_BLOCK = True
+# Causal/right-window grids (every kernel) of few CTAs per SM: CTAs start in
+# bands of HEAVY_FIRST_BAND blocks per (batch, head), heaviest band first over
+# all (batch, head), so the last wave holds short CTAs (longest-processing-
+# time-first). A grid in (batch, head) order starts the last heads' longest
+# CTAs at the very end; in a list-scheduling model (132 SMs, a CTA's time
+# proportional to its blocks) that tail was 13 % of the GQA dk/dv kernel
+# (1024 CTAs of 4 query heads each), 3 % at B8 T4096 N16. Bands keep that
+# many CTAs of a head running together (its tiles shared in L2), but a head's
+# tiles are still read once per band, so with many CTAs per SM (a short
+# tail) the order costs more than it saves. H200, 2026-12-04, band 8 against
+# (batch, head) order, forward+backward median: B8 T4096 N16 H128 causal
+# 3.894 vs 3.997 ms, GQA B4 T4096 N32 K8 causal 3.847 vs 3.963 (31 CTAs per
+# SM, 8 in the GQA dk/dv kernel, which gains 4 %); seed causal 2.726 vs
+# 2.676 (43-62 CTAs per SM),
+# so bands only below HEAVY_FIRST_MAX_WAVES CTAs per SM. None: never.
+HEAVY_FIRST_BAND = 8
+HEAVY_FIRST_MAX_WAVES = 36
+_SMS = 132  # H100/H200 SXM
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -199,14 +217,46 @@ def _limits(sp, q_len_ref, kv_len_ref, b):
   return q_lim, kv_lim
 
 
-def _query_cta(sp, q_len_ref, kv_len_ref, bq: int, bk: int, nc: int = _CONSUMERS):
-  """Ids and ranges of a CTA of nc * bq query rows on the grid (batch, head,
-  q): (b, n, wg, kv head, q_lim, kv_lim, first row, key blocks [lo, hi))."""
-  b = lax.axis_index("batch")
-  n = lax.axis_index("head")
-  qi = lax.axis_index("q")
-  if sp.right is not None:  # causal/right window: the longest CTAs first
-    qi = lax.axis_size("q") - 1 - qi
+def _band(sp, groups: int, blocks: int) -> int:
+  """CTAs per (batch, head) in a band of `_cta_coords` for a grid of
+  `groups` (batch, head) pairs of `blocks` CTAs (module note at
+  HEAVY_FIRST_BAND); `blocks` = (batch, head) order."""
+  if (sp.right is None or HEAVY_FIRST_BAND is None
+      or groups * blocks > HEAVY_FIRST_MAX_WAVES * _SMS):
+    return blocks
+  return min(HEAVY_FIRST_BAND, blocks)
+
+
+def _cta_grid(bsz: int, heads: int, blocks: int):
+  """`plgpu.kernel` grid arguments of a flat grid read by `_cta_coords`."""
+  return dict(grid=(bsz * heads * blocks,), grid_names=("cta",))
+
+
+def _cta_coords(bsz: int, heads: int, blocks: int, band: int):
+  """(batch, head, rank) of this CTA on a flat grid of bsz * heads * blocks.
+  CTAs start in rank bands: ranks [0, band) of every (batch, head) in
+  (batch, head) order, then ranks [band, 2 band), ...; with band = blocks,
+  plain (batch, head, rank) order. Rank 0 is the heaviest block."""
+  p = lax.axis_index("cta")
+  groups = bsz * heads
+  start = lax.div(p, jnp.int32(band * groups)) * band
+  width = jnp.minimum(jnp.int32(band), blocks - start)
+  within = p - start * groups
+  g = lax.div(within, width)
+  rank = start + lax.rem(within, width)
+  return lax.div(g, jnp.int32(heads)), lax.rem(g, jnp.int32(heads)), rank
+
+
+def _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq: int, bk: int,
+               nc: int = _CONSUMERS):
+  """Ids and ranges of a CTA of nc * bq query rows on the flat grid of
+  `_cta_grid` (q_ref [B, T, N, H] of T padded to CTAs): (b, n, wg, kv head,
+  q_lim, kv_lim, first row, key blocks [lo, hi))."""
+  bsz, t, heads, _ = q_ref.shape
+  nq = pl.cdiv(t, nc * bq)
+  b, n, qi = _cta_coords(bsz, heads, nq, _band(sp, bsz * heads, nq))
+  if sp.right is not None:  # causal/right window: rank 0 = the last rows
+    qi = nq - 1 - qi
   wg = lax.axis_index("wg")
   kh = lax.div(n, jnp.int32(sp.groups))
   q_lim, kv_lim = _limits(sp, q_len_ref, kv_len_ref, b)
@@ -405,7 +455,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
 
 
   b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
-      sp, q_len_ref, kv_len_ref, bq, bk, nc)
+      sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc)
 
   # Tensor-core turns. A turn issues a step's P V and the next step's Q K^T.
   # Two consumers: a rendezvous barrier (2 arrivals) after each Q K^T issue
@@ -697,10 +747,9 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
           nc=nc, save_lse=return_residuals, interpret=interpret),
       out_type=out_type,
       scratch_types=scratch,
-      # The last grid axis varies fastest: the CTAs running together are the
-      # query tiles of a few heads and share their K/V blocks in L2.
-      grid=(bsz, n, nq),
-      grid_names=("batch", "head", "q"),
+      # CTAs running together are query tiles of a few heads and share their
+      # K/V blocks in L2 (`_cta_coords`).
+      **_cta_grid(bsz, n, nq),
       num_threads=nc + 1,
       thread_name="wg",
       compiler_params=pallas_mosaic.compiler_params(approx_math=True),
@@ -849,11 +898,13 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
    ready, free) = it
   dtype = q_ref.dtype
   fuse_dkdv = k_smem.shape[-1] + v_smem.shape[-1] <= FUSE_DKDV_MAX_WIDTH
-  b = lax.axis_index("batch")
-  kh = lax.axis_index("head")
+  bsz, tk, kv_heads, _ = k_ref.shape
+  nk = pl.cdiv(tk, _CONSUMERS * bk)
+  # Causal/right window: key CTA 0 sees the most query rows (rank 0).
+  b, kh, ki = _cta_coords(bsz, kv_heads, nk, _band(sp, bsz * kv_heads, nk))
   wg = lax.axis_index("wg")
   q_lim, kv_lim = _limits(sp, q_len_ref, kv_len_ref, b)
-  cta0 = lax.axis_index("kv") * (_CONSUMERS * bk)
+  cta0 = ki * (_CONSUMERS * bk)
   # Query blocks seeing the keys; "full" ones have every row < q_lim seeing
   # every key (see triton._query_blocks: the transposed ranges).
   lo, _, _, hi = triton.blocks_seen(
@@ -1007,7 +1058,7 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
    ready, free) = it
   dtype = q_ref.dtype
   b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
-      sp, q_len_ref, kv_len_ref, bq, bk, nc)
+      sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc)
 
   def slot_of(j):
     return lax.rem(j - lo, jnp.int32(stages))
@@ -1181,9 +1232,8 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
             plgpu.Barrier(num_arrivals=4, num_barriers=st),  # ready
             plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
         ],
-        # Key tiles vary fastest: CTAs in flight share the q/do tiles in L2.
-        grid=(bsz, kv_heads, pl.cdiv(tk, _CONSUMERS * bk)),
-        grid_names=("batch", "head", "kv"),
+        # CTAs in flight share a head's q/do tiles in L2 (`_cta_coords`).
+        **_cta_grid(bsz, kv_heads, pl.cdiv(tk, _CONSUMERS * bk)),
         num_threads=_CONSUMERS + 1,
         kernel_name="tokamax_attention_bwd_dkdv_mosaic",
         **common,
@@ -1216,8 +1266,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
           plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
           plgpu.Barrier(num_arrivals=dq_nc, num_barriers=st),  # free
       ],
-      grid=(bsz, n, nq),
-      grid_names=("batch", "head", "q"),
+      **_cta_grid(bsz, n, nq),
       num_threads=dq_nc + 1,
       kernel_name="tokamax_attention_bwd_dq_mosaic",
       **common,
