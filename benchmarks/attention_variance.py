@@ -6,9 +6,10 @@ non-causal seed and H128 shapes), "mosaic" and cuDNN (jax.nn)
 forward+backward are compiled once each, then timed in ROUNDS alternating
 rounds (default 6), each on freshly allocated random inputs (a new seed),
 20 calls per round, per kernel by CUPTI. With FLAG (a module-level constant
-of tokamax.ops.attention.mosaic) and VALUES (comma-separated Python
-literals), "mosaic" is compiled once per value and every round times each
-(an A/B per kernel under the same clocks). Environment PAUSE_S: seconds
+of tokamax.ops.attention.mosaic, or "triton.NAME" of tokamax.ops.attention.
+triton, which then times "triton" instead) and VALUES (comma-separated
+Python literals), the implementation is compiled once per value and every
+round times each (an A/B per kernel under the same clocks). Environment PAUSE_S: seconds
 of idle before each timed round (default 0), so that the software power
 cap's clock drops hit fewer rounds. nvidia-smi samples the SM clock,
 power and throttle reasons every 50 ms meanwhile. Writes each round's
@@ -34,6 +35,7 @@ from jax.experimental.mosaic.gpu import profiler
 import common
 from tokamax._src import benchmarking
 from tokamax.ops.attention import mosaic as mosaic_attn
+from tokamax.ops.attention import triton as triton_attn
 import tokamax
 
 SHAPES = {  # label: (B, T, N, K, H, causal)
@@ -84,10 +86,13 @@ def _parse_smi(text):
 
 def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
   rounds = int(rounds)
-  variants = {"mosaic": None}
+  impl_name, module = "mosaic", mosaic_attn
+  if flag.startswith("triton."):
+    impl_name, module, flag = "triton", triton_attn, flag.removeprefix("triton.")
+  variants = {impl_name: None}
   if flag:
-    default = getattr(mosaic_attn, flag)
-    variants = {f"mosaic {flag}={v}": v for v in ast.literal_eval(f"[{values}]")}
+    default = getattr(module, flag)
+    variants = {f"{impl_name} {flag}={v}": v for v in ast.literal_eval(f"[{values}]")}
   log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
   smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_SMI_FIELDS}",
                           "--format=csv,noheader", "-lms", "50"], stdout=log)
@@ -98,20 +103,20 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
         continue
       q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
       kv = jax.ShapeDtypeStruct((b, t, kh, h), jnp.bfloat16)
-      mosaic = lambda q, k, v: tokamax.dot_product_attention(
-          q, k, v, is_causal=causal, implementation="mosaic")
-      fns = {name: mosaic for name in variants}
+      ours = lambda q, k, v: tokamax.dot_product_attention(
+          q, k, v, is_causal=causal, implementation=impl_name)
+      fns = {name: ours for name in variants}
       fns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")
       compiled = {}
       for impl, fn in fns.items():
         if flag and impl in variants:  # the module reads it while tracing
-          setattr(mosaic_attn, flag, variants[impl])
+          setattr(module, flag, variants[impl])
         f_std, args = benchmarking.standardize_function(fn, q, kv, kv, mode="forward_and_vjp")
         compiled[impl] = (f_std, jax.jit(f_std).lower(*args).compile())
         del args
         if flag:
-          setattr(mosaic_attn, flag, default)
+          setattr(module, flag, default)
       for r in range(rounds):
         for impl, (f_std, comp) in compiled.items():
           _, args = benchmarking.standardize_function(

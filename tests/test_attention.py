@@ -436,6 +436,17 @@ class TestTritonInterpretSmallBlocks(_InterpretMixin, AttentionTestBase):
   def test_feature(self, feature):  # f32 only: the block logic is dtype-free
     self.check(FEATURES[feature], F32, feature)
 
+  @pytest.mark.parametrize("feature", ["causal", "window_left_right", "combined",
+                                       "t_ne_s_causal"])
+  @pytest.mark.parametrize("band", [1, 2])
+  def test_heavy_first_bands(self, monkeypatch, feature, band):
+    """Causal/right-window grids in rank bands (HEAVY_FIRST_BAND): 3-4
+    blocks per (batch, head), so a band of 2 leaves a narrower last band;
+    every kernel (query-block and key-block grids)."""
+    monkeypatch.setattr(triton_attn, "HEAVY_FIRST_BAND", band)
+    c = dataclasses.replace(FEATURES[feature], n=4, kh=2)
+    self.check(c, F32, feature)
+
   @hypothesis.settings(max_examples=10, deadline=None)
   @hypothesis.given(
       t=st.integers(1, 70), s=st.integers(1, 70), bq=st.sampled_from([16, 32]),
@@ -752,7 +763,7 @@ def test_mosaic_heavy_first_band_rule():
         key_value_seq_lengths=None, is_causal=False, local_window_size=None,
         logits_soft_cap=None, scale=0.125, precision=None) | kwargs)
   band = mosaic_attn.HEAVY_FIRST_BAND
-  few = mosaic_attn.HEAVY_FIRST_MAX_WAVES * mosaic_attn._SMS // 32
+  few = mosaic_attn.HEAVY_FIRST_MAX_WAVES * triton_attn.SMS // 32
   assert mosaic_attn._band(spec(is_causal=True), 32, few) == band
   assert mosaic_attn._band(spec(is_causal=True), 33, few) == few  # many CTAs
   assert mosaic_attn._band(spec(), 32, few) == few  # equal CTAs: no tail

@@ -36,6 +36,9 @@ atomic dq), two kernels of the same three-WG shape from the lse residual:
     block seen only in its first half as a half step, like the forward),
     and dbias = ds written per block when the bias is differentiated.
 
+Grids are flat; under a causal or right window the heaviest CTAs of all
+heads start first (`triton.grid_position`, HEAVY_FIRST_BAND).
+
 Shapes: head dims are padded to multiples of 64 (wgmma/TMA tiles; a copy,
 only when H or Hv is not already one). Sequences shorter than a block are
 padded; otherwise rows and keys past the ends are zero-filled by TMA on load,
@@ -133,7 +136,6 @@ HALF_LAST_BLOCK = True
 # so bands only below HEAVY_FIRST_MAX_WAVES CTAs per SM. None: never.
 HEAVY_FIRST_BAND = 8
 HEAVY_FIRST_MAX_WAVES = 36
-_SMS = 132  # H100/H200 SXM
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -219,12 +221,9 @@ def _limits(sp, q_len_ref, kv_len_ref, b):
 
 def _band(sp, groups: int, blocks: int) -> int:
   """CTAs per (batch, head) in a band of `_cta_coords` for a grid of
-  `groups` (batch, head) pairs of `blocks` CTAs (module note at
-  HEAVY_FIRST_BAND); `blocks` = (batch, head) order."""
-  if (sp.right is None or HEAVY_FIRST_BAND is None
-      or groups * blocks > HEAVY_FIRST_MAX_WAVES * _SMS):
-    return blocks
-  return min(HEAVY_FIRST_BAND, blocks)
+  `groups` (batch, head) pairs of `blocks` CTAs (HEAVY_FIRST_BAND)."""
+  return triton.heavy_first_band(sp, groups, blocks, HEAVY_FIRST_BAND,
+                                 HEAVY_FIRST_MAX_WAVES)
 
 
 def _cta_grid(bsz: int, heads: int, blocks: int):
@@ -233,18 +232,9 @@ def _cta_grid(bsz: int, heads: int, blocks: int):
 
 
 def _cta_coords(bsz: int, heads: int, blocks: int, band: int):
-  """(batch, head, rank) of this CTA on a flat grid of bsz * heads * blocks.
-  CTAs start in rank bands: ranks [0, band) of every (batch, head) in
-  (batch, head) order, then ranks [band, 2 band), ...; with band = blocks,
-  plain (batch, head, rank) order. Rank 0 is the heaviest block."""
-  p = lax.axis_index("cta")
-  groups = bsz * heads
-  start = lax.div(p, jnp.int32(band * groups)) * band
-  width = jnp.minimum(jnp.int32(band), blocks - start)
-  within = p - start * groups
-  g = lax.div(within, width)
-  rank = start + lax.rem(within, width)
-  return lax.div(g, jnp.int32(heads)), lax.rem(g, jnp.int32(heads)), rank
+  """(batch, head, rank) of this CTA on a flat grid of bsz * heads * blocks
+  (`triton.grid_position`: rank bands, rank 0 the heaviest block)."""
+  return triton.grid_position(lax.axis_index("cta"), bsz, heads, blocks, band)
 
 
 def _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq: int, bk: int,

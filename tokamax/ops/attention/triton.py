@@ -25,6 +25,9 @@ positional mask ("full"), the few boundary blocks with it (Sec. 3.1.1 of
 FlashAttention-2 on causal masking). The backward uses the transposed ranges.
 Head dims are padded to a power of two >= 16 inside the kernel (masked loads),
 sequence lengths need not be block multiples (masked loads and stores).
+
+Grids are flat; under a causal or right window the heaviest programs of all
+heads start first (`grid_position`, HEAVY_FIRST_BAND).
 """
 
 from __future__ import annotations
@@ -51,6 +54,40 @@ LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 256
 # Running-max start: finite, so exp2(m_old - m_new) is never inf - inf.
 _M_INIT = -1e30
+# Causal/right-window grids of at most HEAVY_FIRST_MAX_WAVES programs per SM
+# start the heaviest programs of every (batch, head) first, in bands of
+# HEAVY_FIRST_BAND per head (`grid_position`; the "mosaic" module's note at
+# its HEAVY_FIRST_BAND has the model and the H200 numbers). None: never.
+HEAVY_FIRST_BAND = 8
+HEAVY_FIRST_MAX_WAVES = 36
+SMS = 132  # H100/H200 SXM
+
+
+def heavy_first_band(sp: "Spec", groups: int, blocks: int,
+                     band: int | None, max_waves: int) -> int:
+  """Programs per (batch, head) in a band of `grid_position` for a grid of
+  `groups` (batch, head) pairs of `blocks` programs: `band` for causal or
+  right-window grids of at most `max_waves` programs per SM (an unequal
+  grid whose tail matters), else `blocks` ((batch, head) order)."""
+  if sp.right is None or band is None or groups * blocks > max_waves * SMS:
+    return blocks
+  return min(band, blocks)
+
+
+def grid_position(p, bsz: int, heads: int, blocks: int, band: int):
+  """(batch, head, rank) of program p of a flat grid of bsz * heads * blocks.
+  Programs start in rank bands: ranks [0, band) of every (batch, head) in
+  (batch, head) order, then ranks [band, 2 band), ...; with band = blocks,
+  plain (batch, head, rank) order. Rank 0 is the heaviest block, so the last
+  wave holds light programs (longest-processing-time-first), while `band`
+  programs of a head run together and share its tiles in L2."""
+  groups = bsz * heads
+  start = lax.div(p, jnp.int32(band * groups)) * band
+  width = jnp.minimum(jnp.int32(band), blocks - start)
+  within = p - start * groups
+  g = lax.div(within, width)
+  rank = start + lax.rem(within, width)
+  return lax.div(g, jnp.int32(heads)), lax.rem(g, jnp.int32(heads)), rank
 
 
 def _pow2_field(v: int, name: str, lo: int = 16) -> int:
@@ -383,7 +420,7 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
   r, outs = _split_refs(refs, sp, ("q", "k", "v", "bias", "mask", "q_len", "kv_len"))
   o_ref = outs[0]
   lse_ref = outs[1] if save_lse else None
-  i, b, n = _query_program(sp, bq)
+  i, b, n = _query_program(sp, r["q"], bq)
   kh = n // sp.groups
   t0 = i * bq
   rows = t0 + jnp.arange(bq)
@@ -432,12 +469,22 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
     pltr.store(lse_ref.at[b, n, pl.ds(t0, bq)], lse, mask=rows < sp.t)
 
 
-def _query_program(sp: Spec, bq: int):
-  """(query block, batch, head) of this program; under a causal or right
-  window the longest rows run first (less tail imbalance)."""
-  i, b, n = (i32(pl.program_id(a)) for a in range(3))
+def _flat_grid(sp: Spec, bsz: int, heads: int, blocks: int):
+  """(batch, head, rank) of this program on a flat grid of
+  bsz * heads * blocks (`grid_position`)."""
+  band = heavy_first_band(sp, bsz * heads, blocks, HEAVY_FIRST_BAND,
+                          HEAVY_FIRST_MAX_WAVES)
+  return grid_position(i32(pl.program_id(0)), bsz, heads, blocks, band)
+
+
+def _query_program(sp: Spec, q_ref, bq: int):
+  """(query block, batch, head) of this program (q_ref [B, T, N, H]); under
+  a causal or right window the longest rows (the last) are rank 0."""
+  bsz, t, heads, _ = q_ref.shape
+  nq = pl.cdiv(t, bq)
+  b, n, i = _flat_grid(sp, bsz, heads, nq)
   if sp.right is not None:
-    i = pl.num_programs(0) - 1 - i
+    i = nq - 1 - i
   return i, b, n
 
 
@@ -463,7 +510,7 @@ def attention_forward(args, config: TritonAttentionConfig, return_residuals: boo
     out_shape.append(jax.ShapeDtypeStruct((bsz, n, t), jnp.float32))
   kernel = functools.partial(_fwd_kernel, sp=sp, bq=bq, bk=bk, save_lse=return_residuals)
   outs = pallas_triton.pallas_call(
-      kernel, out_shape=out_shape, grid=(pl.cdiv(t, bq), bsz, n),
+      kernel, out_shape=out_shape, grid=(bsz * n * pl.cdiv(t, bq),),
       num_warps=config.num_warps, num_stages=config.num_stages,
       name="tokamax_attention_fwd",
   )(*_inputs(args))
@@ -480,7 +527,9 @@ def _dkdv_kernel(*refs, sp: Spec, bq: int, bk: int, want_dbias: bool):
     outs = outs[1:]  # the zeroed dbias input, aliased to the last output
   dk_ref, dv_ref = outs[0], outs[1]
   dbias_ref = outs[2] if want_dbias else None
-  j, b, kh = (i32(pl.program_id(a)) for a in range(3))
+  bsz, _, kv_heads, _ = r["k"].shape
+  # Causal/right window: key block 0 sees the most query rows (rank 0).
+  b, kh, j = _flat_grid(sp, bsz, kv_heads, pl.cdiv(sp.s, bk))
   k0 = j * bk
   cols = k0 + jnp.arange(bk)
   q_lim, kv_lim = _lengths(sp, r["q_len"], r["kv_len"], b)
@@ -536,7 +585,7 @@ def _dq_kernel(*refs, sp: Spec, bq: int, bk: int):
   names = ("q", "k", "v", "bias", "mask", "q_len", "kv_len", "do", "lse", "delta")
   r, outs = _split_refs(refs, sp, names)
   dq_ref = outs[0]
-  i, b, n = _query_program(sp, bq)
+  i, b, n = _query_program(sp, r["q"], bq)
   kh = n // sp.groups
   t0 = i * bq
   rows = t0 + jnp.arange(bq)
@@ -602,7 +651,7 @@ def attention_backward(args, residuals, out, dout, config: TritonAttentionVjpCon
     aliases = {len(dkdv_inputs) - 1: 2}
   outs = pallas_triton.pallas_call(
       functools.partial(_dkdv_kernel, sp=sp, bq=bq, bk=bk, want_dbias=want_dbias),
-      out_shape=out_shape, grid=(pl.cdiv(s, bk), bsz, kv_heads),
+      out_shape=out_shape, grid=(bsz * kv_heads * pl.cdiv(s, bk),),
       num_warps=config.num_warps, num_stages=config.num_stages,
       name="tokamax_attention_bwd_dkdv", input_output_aliases=aliases,
   )(*dkdv_inputs)
@@ -610,7 +659,7 @@ def attention_backward(args, residuals, out, dout, config: TritonAttentionVjpCon
   dq = pallas_triton.pallas_call(
       functools.partial(_dq_kernel, sp=sp, bq=dqb_q, bk=dqb_k),
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
-      grid=(pl.cdiv(t, dqb_q), bsz, n),
+      grid=(bsz * n * pl.cdiv(t, dqb_q),),
       num_warps=config.num_warps, num_stages=config.num_stages,
       name="tokamax_attention_bwd_dq",
   )(*inputs)[0]
