@@ -442,8 +442,10 @@ class TestTritonInterpretSmallBlocks(_InterpretMixin, AttentionTestBase):
   def test_heavy_first_bands(self, monkeypatch, feature, band):
     """Causal/right-window grids in rank bands (HEAVY_FIRST_BAND): 3-4
     blocks per (batch, head), so a band of 2 leaves a narrower last band;
-    every kernel (query-block and key-block grids)."""
+    every kernel (query-block and key-block grids). Four SMs, so that bands
+    apply to these few heads."""
     monkeypatch.setattr(triton_attn, "HEAVY_FIRST_BAND", band)
+    monkeypatch.setattr(triton_attn, "SMS", 4)
     c = dataclasses.replace(FEATURES[feature], n=4, kh=2)
     self.check(c, F32, feature)
 
@@ -683,8 +685,10 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
   def test_heavy_first_bands(self, monkeypatch, feature, band):
     """Causal grids in rank bands (HEAVY_FIRST_BAND): 3 query CTAs and 3 key
     CTAs per (batch, head), so a band of 2 leaves a narrower last band;
-    two batch entries and kv heads, every kernel."""
+    two batch entries and kv heads, every kernel. Four SMs, so that bands
+    apply to these few heads."""
     monkeypatch.setattr(mosaic_attn, "HEAVY_FIRST_BAND", band)
+    monkeypatch.setattr(triton_attn, "SMS", 4)
     c = dataclasses.replace(FEATURES[feature], t=300, s=260, n=4, kh=2)
     self.check(c, BF16, feature)
 
@@ -768,7 +772,11 @@ def test_mosaic_heavy_first_band_rule():
   assert mosaic_attn._band(spec(is_causal=True), 33, few) == few  # many CTAs
   assert mosaic_attn._band(spec(), 32, few) == few  # equal CTAs: no tail
   assert mosaic_attn._band(spec(local_window_size=(4, 2)), 32, few) == band
-  assert mosaic_attn._band(spec(is_causal=True), 4, 3) == 3
+  # Few heads: a wave holds >= band CTAs of each in any order.
+  heads = triton_attn.SMS // band
+  assert mosaic_attn._band(spec(is_causal=True), heads, 64) == 1
+  assert mosaic_attn._band(spec(is_causal=True), heads + 1, 64) == band
+  assert mosaic_attn._band(spec(is_causal=True), heads + 1, 3) == 3
 
 
 @pytest.mark.parametrize("name", sorted(MOSAIC_LOWER_CASES))

@@ -68,9 +68,15 @@ def heavy_first_band(sp: "Spec", groups: int, blocks: int,
   """Programs per (batch, head) in a band of `grid_position` for a grid of
   `groups` (batch, head) pairs of `blocks` programs: `band` for causal or
   right-window grids of at most `max_waves` programs per SM (an unequal
-  grid whose tail matters), else `blocks` ((batch, head) order)."""
+  grid whose tail matters), else `blocks` ((batch, head) order). With at
+  most SMS / band heads, 1: a wave then holds >= band programs of every
+  head in any order, so the strict heaviest-first order loses no L2 sharing
+  (list-scheduling model, B1 T4096 N16 causal: tail 1.7 % against 8.7 %
+  with bands of 8; not yet timed on the GPU)."""
   if sp.right is None or band is None or groups * blocks > max_waves * SMS:
     return blocks
+  if groups * band <= SMS:
+    return 1
   return min(band, blocks)
 
 
