@@ -44,6 +44,9 @@ SHAPES = {  # label: (B, T, N, K, H, causal)
     "seed causal B32 T2048 N16 H64": (32, 2048, 16, 16, 64, True),
     "H128 causal B8 T4096 N16": (8, 4096, 16, 16, 128, True),
     "GQA causal B4 T4096 N32 K8 H128": (4, 4096, 32, 8, 128, True),
+    # Few (batch, head) pairs: the band-1 rule of triton.heavy_first_band.
+    "small causal B1 T4096 N16 H128": (1, 4096, 16, 16, 128, True),
+    "small causal B1 T8192 N8 H128": (1, 8192, 8, 8, 128, True),
 }
 CALLS = 20
 _SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
