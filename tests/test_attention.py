@@ -746,8 +746,9 @@ def test_mosaic_cta_order(bsz, heads, blocks, band):
   """The flat grid visits every (batch, head, rank) once, bands of ranks in
   order (all of band 0 before band 1), (batch, head) order inside a band."""
   total = bsz * heads * blocks
-  b, n, r = jax.vmap(lambda _: mosaic_attn._cta_coords(bsz, heads, blocks, band),
-                     axis_name="cta")(jnp.arange(total))
+  b, n, r = jax.vmap(
+      lambda p: triton_attn.grid_position(p, bsz, heads, blocks, band))(
+          jnp.arange(total, dtype=jnp.int32))
   coords = list(zip(b.tolist(), n.tolist(), r.tolist()))
   assert sorted(coords) == [(i, j, k) for i in range(bsz) for j in range(heads)
                             for k in range(blocks)]
@@ -767,16 +768,18 @@ def test_mosaic_heavy_first_band_rule():
         key_value_seq_lengths=None, is_causal=False, local_window_size=None,
         logits_soft_cap=None, scale=0.125, precision=None) | kwargs)
   band = mosaic_attn.HEAVY_FIRST_BAND
+  rule = lambda sp, groups, blocks: triton_attn.heavy_first_band(
+      sp, groups, blocks, band, mosaic_attn.HEAVY_FIRST_MAX_WAVES)
   few = mosaic_attn.HEAVY_FIRST_MAX_WAVES * triton_attn.SMS // 32
-  assert mosaic_attn._band(spec(is_causal=True), 32, few) == band
-  assert mosaic_attn._band(spec(is_causal=True), 33, few) == few  # many CTAs
-  assert mosaic_attn._band(spec(), 32, few) == few  # equal CTAs: no tail
-  assert mosaic_attn._band(spec(local_window_size=(4, 2)), 32, few) == band
+  assert rule(spec(is_causal=True), 32, few) == band
+  assert rule(spec(is_causal=True), 33, few) == few  # many CTAs
+  assert rule(spec(), 32, few) == few  # equal CTAs: no tail
+  assert rule(spec(local_window_size=(4, 2)), 32, few) == band
   # Few heads: a wave holds >= band CTAs of each in any order.
   heads = triton_attn.SMS // band
-  assert mosaic_attn._band(spec(is_causal=True), heads, 64) == 1
-  assert mosaic_attn._band(spec(is_causal=True), heads + 1, 64) == band
-  assert mosaic_attn._band(spec(is_causal=True), heads + 1, 3) == 3
+  assert rule(spec(is_causal=True), heads, 64) == 1
+  assert rule(spec(is_causal=True), heads + 1, 64) == band
+  assert rule(spec(is_causal=True), heads + 1, 3) == 3
 
 
 @pytest.mark.parametrize("name", sorted(MOSAIC_LOWER_CASES))

@@ -219,21 +219,16 @@ def _limits(sp, q_len_ref, kv_len_ref, b):
   return q_lim, kv_lim
 
 
-def _band(sp, groups: int, blocks: int) -> int:
-  """CTAs per (batch, head) in a band of `_cta_coords` for a grid of
-  `groups` (batch, head) pairs of `blocks` CTAs (HEAVY_FIRST_BAND)."""
-  return triton.heavy_first_band(sp, groups, blocks, HEAVY_FIRST_BAND,
-                                 HEAVY_FIRST_MAX_WAVES)
-
-
 def _cta_grid(bsz: int, heads: int, blocks: int):
   """`plgpu.kernel` grid arguments of a flat grid read by `_cta_coords`."""
   return dict(grid=(bsz * heads * blocks,), grid_names=("cta",))
 
 
-def _cta_coords(bsz: int, heads: int, blocks: int, band: int):
+def _cta_coords(sp, bsz: int, heads: int, blocks: int):
   """(batch, head, rank) of this CTA on a flat grid of bsz * heads * blocks
   (`triton.grid_position`: rank bands, rank 0 the heaviest block)."""
+  band = triton.heavy_first_band(sp, bsz * heads, blocks, HEAVY_FIRST_BAND,
+                                 HEAVY_FIRST_MAX_WAVES)
   return triton.grid_position(lax.axis_index("cta"), bsz, heads, blocks, band)
 
 
@@ -244,7 +239,7 @@ def _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq: int, bk: int,
   q_lim, kv_lim, first row, key blocks [lo, hi))."""
   bsz, t, heads, _ = q_ref.shape
   nq = pl.cdiv(t, nc * bq)
-  b, n, qi = _cta_coords(bsz, heads, nq, _band(sp, bsz * heads, nq))
+  b, n, qi = _cta_coords(sp, bsz, heads, nq)
   if sp.right is not None:  # causal/right window: rank 0 = the last rows
     qi = nq - 1 - qi
   wg = lax.axis_index("wg")
@@ -891,7 +886,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
   bsz, tk, kv_heads, _ = k_ref.shape
   nk = pl.cdiv(tk, _CONSUMERS * bk)
   # Causal/right window: key CTA 0 sees the most query rows (rank 0).
-  b, kh, ki = _cta_coords(bsz, kv_heads, nk, _band(sp, bsz * kv_heads, nk))
+  b, kh, ki = _cta_coords(sp, bsz, kv_heads, nk)
   wg = lax.axis_index("wg")
   q_lim, kv_lim = _limits(sp, q_len_ref, kv_len_ref, b)
   cta0 = ki * (_CONSUMERS * bk)
