@@ -40,6 +40,9 @@ SHAPES = {
     "32768x2048": ((32768, 2048), 1),
     "131072x512": ((131072, 512), 1),
     "16x1024x4096 axis 1": ((16, 1024, 4096), 1),
+    # Rows wider than triton.MAX_FEATURES: its chunked kernels against XLA.
+    "4096x18432": ((4096, 18432), 1),
+    "1024x65536": ((1024, 65536), 1),
 }
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")
 MODES = ("forward", "forward_and_vjp")

@@ -1,6 +1,6 @@
 """Sweeps the looping layer_norm forward (programs_per_sm > 0) on the GPU.
 
-Usage: [X_DTYPE=float32] [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=1,4,8] [PPS=1,2,16] (replace the defaults) [DEPTHS=1] [LOOP_STAGES=0,3] [MAX_VALUES=64] \
+Usage: [X_DTYPE=float32] [PARAM_DTYPE=bfloat16] [BLOCKS=1,2] [WARPS=1,4,8] [PPS=1,2,16] (replace the defaults) [DEPTHS=1] [LOOP_STAGES=0,3] [MAX_VALUES=64] [CHUNKS=0,1024] \
   python benchmarks/layer_norm_loop_sweep.py [OUT_DIR] [FLAG=A,B,...|sweep:FLAG=A] [SHAPES]
 x bf16 (or X_DTYPE) 8192x8192 and 65536x1024, scale and offset f32 (or PARAM_DTYPE),
 forward only, TB/s of
@@ -9,7 +9,10 @@ program per tile, and programs looping over tiles (config prefetch in
 DEPTHS: tiles loaded that many trips ahead of the one normalised; one
 program per tile (PPS 0) runs whatever DEPTHS), with 4 to MAX_VALUES f32
 values of a tile per thread;
-XLA and a copy (x + 1) in the same run. Writes layer_norm_loop_sweep.json.
+XLA and a copy (x + 1) in the same run. CHUNKS: config.feature_chunk values
+(0: whole rows; n: the chunked forward, its values per thread counted per
+[block, n] chunk; PPS 0 then still loops over chunks). Writes
+layer_norm_loop_sweep.json.
 With FLAG=A,B,... (a module-level constant of tokamax.ops.normalization.triton
 and Python literals for it) only the shipped configs are timed, once per
 value, the values cycled twice (A/B of a compile-time switch); with
@@ -70,6 +73,7 @@ def main(out_dir=".", flag="", shapes=""):
   loops = [(p, 2) for p in pick("PPS", [])] or LOOPS
   depths = [int(d) for d in os.environ.get("DEPTHS", ",".join(map(str, DEPTHS))).split(",")]
   loop_stages = [int(s) for s in os.environ.get("LOOP_STAGES", "0").split(",")]
+  chunks = [int(c) for c in os.environ.get("CHUNKS", "0").split(",")]
   dtypes = dict(param_dtype=param_dtype.name, x_dtype=x_dtype.name)
   for (r, f), (blocks, warps) in SHAPES.items():
     if f"{r}x{f}" not in (shapes or DEFAULT_SHAPES).split(","):
@@ -98,19 +102,22 @@ def main(out_dir=".", flag="", shapes=""):
                ms=ms, tbps=tb(ms), **dtypes)
       setattr(tr, flag_name, default_value)
       continue
-    for block, w, (pps, stages), prefetch, ls in itertools.product(
+    for block, w, (pps, stages), prefetch, ls, chunk in itertools.product(
         pick("BLOCKS", blocks), pick("WARPS", warps), loops, sorted({0, *depths}),
-        loop_stages):
-      per_thread = block * f / (32 * w)
+        loop_stages, chunks):
+      per_thread = block * (chunk or f) / (32 * w)
       if not 4 <= per_thread <= int(os.environ.get("MAX_VALUES", "64")):
         continue
+      if chunk and prefetch:  # the chunked forward has no register prefetch
+        continue
       if ls:  # pipelined by Triton: looping programs without register prefetch
-        if prefetch or not pps:
+        if prefetch or not (pps or chunk):
           continue
       elif prefetch if not pps else prefetch not in depths:
         continue
       cfg = tr.TritonLayerNormConfig(block_rows=block, num_warps=w, programs_per_sm=pps,
-                                     num_stages=stages, prefetch=prefetch, loop_stages=ls)
+                                     num_stages=stages, prefetch=prefetch, loop_stages=ls,
+                                     feature_chunk=chunk)
       op = tr.TritonLayerNorm(config=cfg)
       try:
         ms = common.median_ms(lambda x, s, o: op(x, s, o), (x, p, p))
@@ -118,7 +125,8 @@ def main(out_dir=".", flag="", shapes=""):
         record(shape=f"{r}x{f}", config=str(cfg), error=str(e)[:200])
         continue
       record(shape=f"{r}x{f}", block_rows=block, warps=w, programs_per_sm=pps,
-             stages=stages, prefetch_depth=prefetch, loop_stages=ls, ms=ms, tbps=tb(ms),
+             stages=stages, prefetch_depth=prefetch, loop_stages=ls, feature_chunk=chunk,
+             ms=ms, tbps=tb(ms),
              **dtypes,
              **{name: getattr(tr, name) for name in swept})
   for name, value in swept.items():

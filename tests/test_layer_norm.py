@@ -42,20 +42,24 @@ def make_inputs(shape, axis, with_scale, with_offset, dtype, seed, param_dtype=F
   return x, scale, offset, ks[3]
 
 
-def check_jumping_means(implementation, dtype, columns=False):
+def check_jumping_means(implementation, dtype, columns=False, op=None):
   """Residual mean and rstd vs f64 for rows whose means jump by up to 500
   standard deviations from one row to the next, a constant row and a row
-  of tiny spread: statistics that cancel (one-pass sums, a poor shift)
-  lose ~(mean/sigma)^2 ulps and fail this. F = 5120: a row spans a
-  warpgroup in "mosaic". `columns`: the rows as the columns of a [1, F, 10]
-  x normalised over axis 1 (the [pre, F, post] statistics)."""
-  mus, sigmas = [0, 200, 200, -300, 0, 7, 7, 5, 1e3, 1e3], [1, 1, 1, 2, 1e-3, 0, 1, 1, 2, 2]
+  of tiny spread, and a row whose first 512 features sit 1000 sigma above
+  the rest: statistics that cancel (one-pass sums, a poor shift) lose
+  ~(mean/sigma)^2 ulps and fail this. F = 5120: a row spans a warpgroup in
+  "mosaic". `columns`: the rows as the columns of a [1, F, 11] x normalised
+  over axis 1 (the [pre, F, post] statistics). `op`: this pinned op instead
+  of the implementation's choice."""
+  mus, sigmas = [0, 200, 200, -300, 0, 7, 7, 5, 1e3, 1e3, 0], [1, 1, 1, 2, 1e-3, 0, 1, 1, 2, 2, 1]
   z = jax.random.normal(jax.random.key(4), (len(mus), 5120), F32)
-  x = (z * jnp.array(sigmas)[:, None] + jnp.array(mus)[:, None]).astype(dtype)
+  x = z * jnp.array(sigmas)[:, None] + jnp.array(mus)[:, None]
+  x = x.at[-1, :512].add(1e3).astype(dtype)
   kwargs = dict(epsilon=1e-6)
   if columns:
     x, kwargs = x.T[None], dict(kwargs, axis=1)
-  ba = dispatch.select("layer_norm", implementation, (x,), kwargs)
+  ba = (dispatch.select("layer_norm", implementation, (x,), kwargs) if op is None
+        else op.bind(x, **kwargs))
   _, (mean, rstd) = ba.op.call_bound(ba, return_residuals=True)
   x64 = np.asarray(x[0].T if columns else x, np.float64)
   want_mean = x64.mean(axis=1)
@@ -312,10 +316,45 @@ class TestTritonInterpret(LayerNormTestBase):
     with pytest.raises(NotImplementedError, match="triton.*fp64"):
       self.layer_norm(x, jnp.ones((8,), F64))
 
-  def test_too_many_features_refused(self):
-    x = jax.ShapeDtypeStruct((2, triton_ln.MAX_FEATURES + 1), BF16)
-    with pytest.raises(NotImplementedError, match="triton.*16384"):
-      jax.eval_shape(self.layer_norm, x)
+  def test_too_many_features_refused_off_the_last_axis(self):
+    x = jax.ShapeDtypeStruct((2, triton_ln.MAX_FEATURES + 1, 3), BF16)
+    with pytest.raises(NotImplementedError, match="triton.*non-last axis.*16384"):
+      jax.eval_shape(functools.partial(self.layer_norm, axis=1), x)
+
+  @pytest.mark.parametrize("with_scale, with_offset, subtract_mean, dtype", [
+      (True, True, True, F32), (True, False, False, BF16), (False, True, True, F16),
+      (False, False, False, F32)])
+  def test_wide_rows_chunked(self, monkeypatch, with_scale, with_offset, subtract_mean,
+                             dtype):
+    """Rows wider than MAX_FEATURES (here 64) run the chunked forward and the
+    split backward with the heuristic configs (here 32- and 16-feature
+    chunks, 100 features: the last chunk partly masked; 3 row blocks of 2
+    per backward program); y and every gradient vs f64."""
+    monkeypatch.setattr(triton_ln, "MAX_FEATURES", 64)
+    monkeypatch.setattr(triton_ln, "_WIDE_FORWARD", (1, 4, 2, 3, 32))
+    monkeypatch.setattr(triton_ln, "_WIDE_BACKWARD", (2, 4, 1, 0, 3, 16))
+    monkeypatch.setattr(triton_ln, "_num_sms", lambda: 3)
+    x, scale, offset, ct_key = make_inputs((37, 100), -1, with_scale, with_offset, dtype, 6)
+    ct = jax.random.normal(ct_key, x.shape, F32)
+    op = lambda *a, **k: self.layer_norm(*a, **k)
+    check_against_f64(op, (x, scale, offset), ct, subtract_mean=subtract_mean)
+    fwd = triton_ln.heuristic_config(37, 100, jnp.dtype(dtype).itemsize)
+    bwd = triton_ln.heuristic_config(37, 100, jnp.dtype(dtype).itemsize, backward=True)
+    assert (fwd.feature_chunk, bwd.feature_chunk) == (32, 16)
+
+  def test_wide_rows_need_feature_chunk(self, monkeypatch):
+    """A pinned config without feature_chunk is refused for wide rows,
+    forward and backward, naming the field."""
+    monkeypatch.setattr(triton_ln, "MAX_FEATURES", 64)
+    x, scale, offset, _ = make_inputs((5, 100), -1, True, True, F32, 7)
+    whole = triton_ln.TritonLayerNormConfig(block_rows=1, num_warps=4)
+    chunked = dataclasses.replace(whole, feature_chunk=32)
+    with pytest.raises(NotImplementedError, match="triton.*feature_chunk"):
+      triton_ln.TritonLayerNorm(config=whole)(x, scale, offset)
+    op = triton_ln.TritonLayerNorm(config=chunked,
+                                   vjp=triton_ln.TritonLayerNormVjp(config=whole))
+    with pytest.raises(NotImplementedError, match="triton.*feature_chunk"):
+      jax.grad(lambda x: jnp.sum(op(x, scale, offset)))(x)
 
   @pytest.mark.parametrize("with_scale, with_offset, subtract_mean, dtype", [
       (False, False, True, F32), (True, False, False, BF16), (False, True, True, F16)])
@@ -370,6 +409,15 @@ class TestTritonInterpret(LayerNormTestBase):
     )(*map(reference.f64, (x, scale, offset)))
     for name, g, r in zip(("dx", "dscale", "doffset"), grads, ref_grads):
       reference.assert_close(g, r, 1e-4, name)
+
+  @pytest.mark.parametrize("chunk", [512, 2048])
+  def test_chunked_forward_statistics(self, chunk):
+    """The chunked forward (feature_chunk) shifts its one-pass sums by the
+    first chunk's mean: rows with jumping means and a first chunk far from
+    the rest keep f64's mean and rstd (10 and 3 chunks of 5120 features)."""
+    config = triton_ln.TritonLayerNormConfig(block_rows=2, num_warps=1, programs_per_sm=0,
+                                             feature_chunk=chunk)
+    check_jumping_means("triton", F32, op=triton_ln.TritonLayerNorm(config=config))
 
   def test_vjp_accepts_xla_residuals(self):
     """Same residual format as the XLA forward: (mean, rstd) keepdims."""
@@ -567,6 +615,8 @@ LOWER_CASES = {
     "odd_rms_f16": ((6, 7, 77), F16, True, False, False),
     "rank1_f32": ((130,), F32, True, True, True),
     "max_features": ((5, 16384), BF16, True, True, True),
+    "wide_rows": ((1027, 20000), BF16, True, True, True),
+    "wide_rms_f32": ((3, 65536), F32, True, False, False),
     "one_feature": ((3, 1), F32, False, True, True),
     "no_params": ((1000, 1000), BF16, False, False, True),
     "axis1_of_3": ((16, 4096, 512), BF16, True, True, True, 1),
@@ -672,6 +722,26 @@ def test_triton_split_backward_lowering(monkeypatch):
     assert asm.count("tt.num_stages = 2 : i32") == asm.count("scf.for") == 1
 
 
+@pytest.mark.parametrize("programs_per_sm, loops", [(0, 2), (16, 3)])
+def test_triton_chunked_forward_lowering(monkeypatch, programs_per_sm, loops):
+  """config.feature_chunk: the [R, F] forward lowers for CUDA as one kernel
+  with a statistics loop and a y loop over the chunks (inside a loop over
+  row blocks with programs_per_sm), each with loop_stages."""
+  modules = _spy_loop_stages(monkeypatch)
+  config = triton_ln.TritonLayerNormConfig(block_rows=1, num_warps=1,
+                                           programs_per_sm=programs_per_sm,
+                                           loop_stages=3, feature_chunk=1024)
+  op = triton_ln.TritonLayerNorm(config=config)
+  x = jax.ShapeDtypeStruct((8192, 8192), BF16)
+  p = jax.ShapeDtypeStruct((8192,), F32)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(lambda *a: op(*a), x, p, p)
+  assert text.count(TRITON_TARGET) == 1
+  [asm] = modules
+  assert "@tokamax_layer_norm_fwd_loop_stages3" in asm
+  assert asm.count("tt.num_stages = 3 : i32") == asm.count("scf.for") == loops
+
+
 def test_triton_loop_stages_default_prefetch():
   """prefetch None with loop_stages means no register prefetch (a tile
   loaded a trip ahead is loop-carried, which Triton does not pipeline): the
@@ -696,6 +766,30 @@ def test_triton_loop_stages_default_prefetch():
   plain = jaxpr(Config(**base), grad=False)
   assert plain == jaxpr(Config(**base, prefetch=triton_ln.LOOP_PREFETCH), grad=False)
   assert plain != jaxpr(Config(**base, prefetch=0), grad=False)
+
+
+def test_triton_wide_rows_configs_and_preference():
+  """Above MAX_FEATURES: chunked heuristic configs and search spaces
+  (forward and backward), and `None` prefers XLA (the chunked kernels are
+  not timed against it yet) while a named call runs "triton"."""
+  wide = triton_ln.MAX_FEATURES + 2048
+  for backward in (False, True):
+    h = triton_ln.heuristic_config(4096, wide, 2, backward=backward)
+    space = triton_ln.search_space(4096, wide, 2, backward=backward)
+    assert h in space and h.feature_chunk
+    assert all(c.feature_chunk and c.loop_stages in (0, 3) for c in space)
+    assert all(8 <= c.block_rows * c.feature_chunk // (32 * c.num_warps) <= 64
+               for c in space - {h})
+  x = jax.ShapeDtypeStruct((64, wide), BF16)
+  s = jax.ShapeDtypeStruct((wide,), F32)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    ba = dispatch.select("layer_norm", None, (x, s), {})
+    assert ba.op.implementation == "xla"
+    ba = dispatch.select("layer_norm", "triton", (x, s), {})
+    assert not ba.op.preferred(ba) and not ba.op.vjp.preferred(ba)
+    narrow = dispatch.select("layer_norm", None, (jax.ShapeDtypeStruct((64, 16384), BF16),
+                                                  jax.ShapeDtypeStruct((16384,), F32)), {})
+    assert narrow.op.implementation == "triton"
 
 
 def test_triton_cross_compile_dispatch():
@@ -749,6 +843,33 @@ def test_triton_gpu_looped_forward(shape, block_rows, warps, programs_per_sm):
   y = jax.jit(op)(x, scale, offset)
   fwd_tol, _ = reference.TOLERANCE[jnp.dtype(BF16)]
   reference.assert_close(y, reference.layer_norm(x, scale, offset), fwd_tol, "forward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("shape", [(1024 + 3, 18432), (257, 65536)])
+def test_triton_gpu_wide_rows(shape, dtype):
+  """Rows wider than MAX_FEATURES (the chunked forward and split backward,
+  heuristic configs) at real sizes vs f64: y and every gradient."""
+  x, scale, offset, ct_key = make_inputs(shape, -1, True, True, dtype, shape[1] % 97)
+  ct = jax.random.normal(ct_key, shape, F32)
+  f = lambda *a: tokamax.layer_norm(*a, implementation="triton")
+  check_against_f64(f, (x, scale, offset), ct)
+
+
+@pytest.mark.parametrize("chunk", [512, 1024, 2048])
+@pytest.mark.gpu
+def test_triton_gpu_chunked_forward(chunk):
+  """The chunked forward (feature_chunk) at 8192^2 with one-warp programs
+  vs f64, and its statistics for rows with jumping means."""
+  config = triton_ln.TritonLayerNormConfig(block_rows=1, num_warps=1, programs_per_sm=16,
+                                           loop_stages=3, feature_chunk=chunk)
+  op = triton_ln.TritonLayerNorm(config=config)
+  x, scale, offset, _ = make_inputs((8192, 8192), -1, True, True, BF16, chunk)
+  fwd_tol, _ = reference.TOLERANCE[jnp.dtype(BF16)]
+  reference.assert_close(jax.jit(op)(x, scale, offset),
+                         reference.layer_norm(x, scale, offset), fwd_tol, "forward")
+  check_jumping_means("triton", BF16, op=op)
 
 
 @pytest.mark.gpu

@@ -35,8 +35,14 @@ writes dx from them. x and dy are read twice: about 5 bytes moved per 3 of
 a one-pass kernel, which would need a whole [F, block] slab in registers
 and so blocks too narrow to coalesce (8-byte rows at F = 4096).
 
+Rows wider than MAX_FEATURES (16384, what a program holds in registers)
+run chunked kernels (config.feature_chunk): the forward streams each row
+block twice in chunks (shifted sums for the statistics, then y), the
+backward is the split one with its row sums also by chunks.
+
 Supported: NVIDIA sm_80+ (or interpret mode, see `interpret_mode`), bf16/f16/
-f32 inputs and parameters, any axis, F <= 16384.
+f32 inputs and parameters, any axis; F <= 16384 off the last axis, any F on
+it.
 """
 
 from __future__ import annotations
@@ -66,7 +72,16 @@ _prev_pow2 = pallas_triton.prev_pow2
 _i32 = pallas_triton.i32
 
 
+# Widest rows a program holds whole in registers. Wider [R, F] rows run the
+# chunked kernels (config.feature_chunk: the chunked forward and the split
+# backward), which have no width limit; `implementation=None` does not pick
+# them (not yet timed against XLA); [pre, F, post] views stop here.
 MAX_FEATURES = 16384
+# Heuristic configs above MAX_FEATURES (not measured; see MAX_FEATURES):
+# forward one row per program of 4 warps, 4 programs per SM, 2048-feature
+# chunks; backward as at 16384 features.
+_WIDE_FORWARD = (1, 4, 4, 3, 2048)  # block_rows, warps, programs_per_sm, loop_stages, chunk
+_WIDE_BACKWARD = (1, 8, 1, 0, 3, 2048)  # as _VJP_CONFIGS entries
 # Loop trips loaded ahead when a config leaves `prefetch` None. Looping
 # forward: tiles loaded this many trips ahead of the one normalised (so
 # depth + 1 tiles in flight per program; num_stages does not make Triton
@@ -183,11 +198,13 @@ class TritonLayerNormConfig:
   loop into a shared-memory ring n - 1 trips ahead (cp.async; see
   pallas_triton.pallas_call). It leaves loads made a trip ahead by
   `prefetch` (loop-carried values) alone.
-  feature_chunk (backward, [R, F] views): 0 runs one kernel, which keeps a
-  row of x, dy and scale and the program's dscale/doffset sums ([F] each)
-  in registers; n splits it in two: the rows' sums of g * xhat and g, then
-  dx and the dscale/doffset partials over n-feature chunks (reads x and dy
-  twice; for F too wide for one program's registers).
+  feature_chunk ([R, F] views; [pre, F, post] views chunk by their own rule):
+  0 keeps whole rows in registers. Backward: n splits it in two kernels:
+  the rows' sums of g * xhat and g, then dx and the dscale/doffset partials
+  over n-feature chunks (reads x and dy twice). Forward: each row block is
+  streamed twice in n-feature chunks, for the statistics, then for y
+  (`_fwd_chunked_kernel`; reads x twice, the second time from L2). For F
+  too wide for one program's registers.
   """
 
   block_rows: pydantic.PositiveInt = 1
@@ -270,13 +287,16 @@ def _heuristic_config(rows, features, itemsize, post, backward):
     warps = 4 if threads <= 128 else 8 if threads <= 256 else 16
     return TritonLayerNormConfig(block_rows=block, num_warps=warps)
   table = (_VJP_CONFIGS if backward else _LOOP_CONFIGS).get(itemsize, {})
+  if fp > MAX_FEATURES:
+    table = {fp: _WIDE_BACKWARD if backward else _WIDE_FORWARD[:4]}
   if fp in table:
     # Missing trailing fields are 0 (no loop stages, no split).
     if backward:
       block_rows, warps, programs_per_sm, prefetch, stages, chunk = (*table[fp], 0, 0)[:6]
     else:
       block_rows, warps, programs_per_sm, stages = (*table[fp], 0)[:4]
-      prefetch, chunk = (0 if stages else None), 0
+      prefetch = 0 if stages else None
+      chunk = _WIDE_FORWARD[4] if fp > MAX_FEATURES else 0
     return TritonLayerNormConfig(
         block_rows=min(block_rows, _next_pow2(rows)), num_warps=warps,
         programs_per_sm=programs_per_sm, prefetch=prefetch, loop_stages=stages,
@@ -338,6 +358,7 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
   warp), warps 4/8/16; 4-64 values/thread;
   the [R, F] forward also one-warp programs (1-2 rows, 16 or 32 per SM), the
   [R, F] backward above 8192 features also split (feature_chunk 2048);
+  above MAX_FEATURES only chunked configs (512-2048-feature chunks);
   backward [R, F]: programs_per_sm 0/1/2/4 and prefetch 0/1; loops (looping
   forward programs, the backward) with and without loop_stages 3; the
   [pre, F, post] column kernels (backward, and forward where
@@ -349,6 +370,14 @@ def search_space(rows: int, features: int, itemsize: int, post: int = 1,
   h = heuristic_config(rows, features, itemsize, post, backward)
   fp = _next_pow2(features)
   limit = _next_pow2(post if post > 1 else rows)
+  if fp > MAX_FEATURES:  # rows wider than registers: chunked kernels only
+    return {h} | {
+        TritonLayerNormConfig(block_rows=b, num_warps=w, programs_per_sm=pps, prefetch=0,
+                              loop_stages=stages, feature_chunk=chunk)
+        for b, w, pps, stages, chunk in itertools.product(
+            (1, 2, 4), (4, 8, 16) if backward else (1, 4, 8), (1, 2, 4, 8),
+            (0, 3) if backward else (3,), (512, 1024, 2048))
+        if b <= limit and 8 <= b * chunk // (32 * w) <= 64}
   # (prefetch, loop_stages): register prefetch, or loads pipelined by Triton.
   loads = [(0, 0), (1, 0), (0, 3)] if backward else [(None, 0), (0, 3)]
   configs = set()
@@ -398,14 +427,23 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
   pallas_triton.check_platform(op)
   pallas_triton.check_not_explicitly_sharded(op, ba)
   args = ba.arguments
-  x = args["x"]
   for name in ("x", "scale", "offset"):
     if args[name] is not None:
       pallas_triton.check_dtype(op, name, args[name].dtype)
-  if x.shape[args["axis"]] > MAX_FEATURES:
+  _, f, _, post = _rows_features(ba)
+  if f > MAX_FEATURES and post > 1:
     raise op.unsupported(
-        f"at most {MAX_FEATURES} features fit one program's registers; got"
-        f" {x.shape[args['axis']]}."
+        f"normalising a non-last axis supports at most {MAX_FEATURES} features; got"
+        f" {f}."
+    )
+
+
+def _check_wide_rows(op: op_lib.Op, view: "_View", config: TritonLayerNormConfig) -> None:
+  """Rows wider than MAX_FEATURES need the chunked kernels."""
+  if view.features > MAX_FEATURES and not config.feature_chunk:
+    raise op.unsupported(
+        f"rows of {view.features} features (> {MAX_FEATURES}) do not fit a program's"
+        f" registers; set config.feature_chunk (got {config})."
     )
 
 
@@ -477,11 +515,9 @@ class _View:
     return w[:, None] if self.is_3d else w[None, :]
 
 
-def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
-                has_scale, has_offset, save_stats, prefetch, loop=None):
-  """One program: `block` vectors of x -> y (+ mean, rstd); with `loop` =
-  (programs G, trips) ([R, F] only) the tiles g, g + G, ... of program g,
-  each loaded `prefetch` trips ahead."""
+def _fwd_refs(refs, has_scale, has_offset, save_stats, subtract_mean):
+  """A forward kernel's refs: (x, scale, offset, y, mean, rstd), None where
+  absent."""
   refs = list(refs)
   x_ref = refs.pop(0)
   scale_ref = refs.pop(0) if has_scale else None
@@ -489,6 +525,16 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
   y_ref = refs.pop(0)
   mean_ref = refs.pop(0) if save_stats and subtract_mean else None
   rstd_ref = refs.pop(0) if save_stats else None
+  return x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref
+
+
+def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
+                has_scale, has_offset, save_stats, prefetch, loop=None):
+  """One program: `block` vectors of x -> y (+ mean, rstd); with `loop` =
+  (programs G, trips) ([R, F] only) the tiles g, g + G, ... of program g,
+  each loaded `prefetch` trips ahead."""
+  x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref = _fwd_refs(
+      refs, has_scale, has_offset, save_stats, subtract_mean)
   fa, f = view.fa, view.features
 
   def scale():
@@ -545,6 +591,87 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
 
     first = tuple(load_x(None, v0(_i32(i))) for i in range(prefetch))
     lax.fori_loop(_i32(0), _i32(trips), body, first)
+
+
+def _fwd_chunked_kernel(*refs, view: _View, chunk: int, epsilon, scale_offset,
+                        subtract_mean, has_scale, has_offset, save_stats, loop=None):
+  """[R, F] forward by [block, chunk] tiles (config.feature_chunk): for rows
+  wider than a program's registers. Per row block, a first loop over the
+  chunks sums d = x - shift and d^2 elementwise, a second re-reads x (from
+  L2, just read) and writes y; scale/offset are read per chunk.
+
+  shift is the mean of the row's first chunk (the shifted-data algorithm):
+  var = E[d^2] - E[d]^2 then cancels at most E[d]^2 / var <= chunks - 1
+  (the first chunk's mean lies within that of the row's spread), a few bits
+  of f32, where plain sums of x^2 cancel without bound. With `loop` =
+  (programs G, trips), program g takes row blocks g, g + G, ...
+  """
+  x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref = _fwd_refs(
+      refs, has_scale, has_offset, save_stats, subtract_mean)
+  f, block = view.features, view.block
+  chunks = pl.cdiv(f, chunk)
+
+  def load(v0, c):
+    """(x tile [block, chunk] f32 (masked: 0), its mask, its index)."""
+    f0 = c * chunk
+    rows_ok = v0 + jnp.arange(block) < view.vectors
+    mask = rows_ok[:, None] & (f0 + jnp.arange(chunk) < f)[None, :]
+    idx = (pl.ds(v0, block), pl.ds(f0, chunk))
+    return pltr.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32), mask, idx
+
+  def row_block(v0):
+    x0, mask0, _ = load(v0, _i32(0))
+    if subtract_mean:
+      shift = jnp.sum(x0, axis=1) / min(chunk, f)
+      d0 = jnp.where(mask0, x0 - shift[:, None], 0.0)
+      sums0 = (d0, d0 * d0)
+    else:
+      sums0 = (x0 * x0,)
+
+    def add_chunk(c, sums):
+      x, mask, _ = load(v0, c)
+      if not subtract_mean:
+        return (sums[0] + x * x,)
+      d = jnp.where(mask, x - shift[:, None], 0.0)
+      return sums[0] + d, sums[1] + d * d
+
+    sums = lax.fori_loop(_i32(1), _i32(chunks), add_chunk, sums0)
+    if subtract_mean:
+      m1 = jnp.sum(sums[0], axis=1) / f
+      mean = shift + m1
+      var = jnp.maximum(jnp.sum(sums[1], axis=1) / f - m1 * m1, 0.0)
+    else:
+      mean, var = None, jnp.sum(sums[0], axis=1) / f
+    rstd = lax.rsqrt(var + epsilon)
+
+    def write_chunk(c, carry):
+      x, mask, idx = load(v0, c)
+      y = (x - mean[:, None] if subtract_mean else x) * rstd[:, None]
+      if has_scale:
+        y = y * _load_param(scale_ref, chunk, f, scale_offset, c * chunk)[None, :]
+      if has_offset:
+        y = y + _load_param(offset_ref, chunk, f, 0.0, c * chunk)[None, :]
+      pltr.store(y_ref.at[idx], y.astype(y_ref.dtype), mask=mask)
+      return carry
+
+    lax.fori_loop(_i32(0), _i32(chunks), write_chunk, ())
+    rows_ok = v0 + jnp.arange(block) < view.vectors
+    if mean_ref is not None:
+      pltr.store(mean_ref.at[pl.ds(v0, block)], mean, mask=rows_ok)
+    if rstd_ref is not None:
+      pltr.store(rstd_ref.at[pl.ds(v0, block)], rstd, mask=rows_ok)
+
+  g = _i32(pl.program_id(0))  # read outside the loop (interpret mode)
+  if loop is None:
+    row_block(g * block)
+  else:
+    programs, trips = loop
+
+    def next_block(k, carry):  # past the last row block: masked, no traffic
+      row_block((g + k * programs) * block)
+      return carry
+
+    lax.fori_loop(_i32(0), _i32(trips), next_block, ())
 
 
 def _bwd_inputs(refs, subtract_mean: bool, has_scale: bool):
@@ -641,11 +768,13 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
 
 
 def _bwd_row_sums_kernel(*refs, view: _View, num_programs, iters, scale_offset,
-                         subtract_mean, has_scale):
+                         subtract_mean, has_scale, chunk=None):
   """Split [R, F] backward, kernel 1: per row, sum(g * xhat) / F and sum(g) /
   F (g = dy * (scale + scale_offset), dy without scale), f32 [R] each.
 
-  Program g handles row blocks g, g + G, ...; x, dy and scale are read once.
+  Program g handles row blocks g, g + G, ...; x, dy and scale are read once,
+  whole rows, or with `chunk` (rows wider than MAX_FEATURES) in [block,
+  chunk] tiles summed elementwise (scale read per chunk).
   """
   refs = list(refs)
   x_ref, dy_ref, mean_ref, rstd_ref, scale_ref = _bwd_inputs(refs, subtract_mean, has_scale)
@@ -653,6 +782,11 @@ def _bwd_row_sums_kernel(*refs, view: _View, num_programs, iters, scale_offset,
   gmean_ref = refs.pop(0) if subtract_mean else None
   f = view.features
   g_id = _i32(pl.program_id(0))  # outside the loop (interpret mode)
+  if chunk is not None:
+    return _row_sums_by_chunks(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, proj_ref,
+                               gmean_ref, g_id, view=view, chunk=chunk,
+                               num_programs=num_programs, iters=iters,
+                               scale_offset=scale_offset)
   w = _load_param(scale_ref, view.fp, f, scale_offset) if has_scale else None
 
   def body(k, carry):
@@ -671,6 +805,43 @@ def _bwd_row_sums_kernel(*refs, view: _View, num_programs, iters, scale_offset,
     return carry
 
   lax.fori_loop(_i32(0), _i32(iters), body, _i32(0))
+
+
+def _row_sums_by_chunks(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, proj_ref, gmean_ref,
+                        g_id, *, view: _View, chunk: int, num_programs, iters,
+                        scale_offset):
+  """`_bwd_row_sums_kernel` over [block, chunk] tiles of each row block."""
+  f, block = view.features, view.block
+
+  def row_block(k, carry):
+    v0 = _i32((g_id + k * num_programs) * block)
+    vec_ok = v0 + jnp.arange(block) < view.pre
+    stat = (pl.ds(v0, block),)
+    row = _stat_loader(view, stat, vec_ok)
+    rstd = row(rstd_ref)
+    mean = row(mean_ref) if mean_ref is not None else None
+
+    def add_chunk(c, sums):
+      f0 = c * chunk
+      mask = vec_ok[:, None] & (f0 + jnp.arange(chunk) < f)[None, :]
+      idx = (pl.ds(v0, block), pl.ds(f0, chunk))
+      x = pltr.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+      dy = pltr.load(dy_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+      xhat = _xhat(x, mean, rstd, mask)
+      g = dy
+      if scale_ref is not None:
+        g = dy * _load_param(scale_ref, chunk, f, scale_offset, f0)[None, :]
+      return (sums[0] + g * xhat, *((sums[1] + g,) if gmean_ref is not None else ()))
+
+    zeros = jnp.zeros((block, chunk), jnp.float32)
+    sums = lax.fori_loop(_i32(0), _i32(pl.cdiv(f, chunk)), add_chunk,
+                         (zeros,) * (1 + (gmean_ref is not None)))
+    pltr.store(proj_ref.at[stat], jnp.sum(sums[0], axis=1) / f, mask=vec_ok)
+    if gmean_ref is not None:
+      pltr.store(gmean_ref.at[stat], jnp.sum(sums[1], axis=1) / f, mask=vec_ok)
+    return carry
+
+  lax.fori_loop(_i32(0), _i32(iters), row_block, _i32(0))
 
 
 def _bwd_chunk_kernel(*refs, view: _View, chunk: int, num_programs, iters,
@@ -1054,6 +1225,11 @@ class _TritonLayerNormMixin:
   def _get_heuristics_config(self, ba):
     return heuristic_config(*_rows_features(ba), backward=self.is_vjp)
 
+  def preferred(self, ba):
+    # The chunked kernels of rows wider than MAX_FEATURES are not yet timed
+    # against XLA: a named call runs them, `None` keeps XLA.
+    return _rows_features(ba)[1] <= MAX_FEATURES
+
   def _get_autotuning_configs(self, ba):
     return search_space(*_rows_features(ba), backward=self.is_vjp)
 
@@ -1085,6 +1261,7 @@ class TritonLayerNormVjp(_TritonLayerNormMixin, xla.LayerNormVjp):
           x.reshape(x_shape), dout.reshape(x_shape), mean, rstd, scale, view,
           config, scale_offset, subtract_mean, offset is not None)
     else:
+      _check_wide_rows(self, view, config)
       dx, parts = self._bwd_rows(x, dout, mean, rstd, scale, offset, view,
                                  config, scale_offset, subtract_mean)
     grads = {"x": dx.reshape(x.shape)}
@@ -1139,13 +1316,14 @@ def _bwd_split(inputs, view, config, num_programs, iters, per_sm, scale_offset,
   flags = dict(scale_offset=float(scale_offset), subtract_mean=subtract_mean,
                has_scale=has_scale)
   row_sum = jax.ShapeDtypeStruct((view.pre,), jnp.float32)
+  chunk = min(config.feature_chunk, view.fp)
   sums = _pallas_call(
       functools.partial(_bwd_row_sums_kernel, view=view, num_programs=num_programs,
-                        iters=iters, **flags),
+                        iters=iters, chunk=chunk if view.features > MAX_FEATURES else None,
+                        **flags),
       out_shape=[row_sum] * (1 + subtract_mean), grid=(num_programs,), config=config,
       name="tokamax_layer_norm_bwd_row_sums",
   )(*inputs)
-  chunk = min(config.feature_chunk, view.fp)
   chunks = pl.cdiv(view.features, chunk)
   # Row groups: about _CHUNK_PROGRAMS_PER_SM programs per SM over all chunks
   # (a program holds one [block_rows, chunk] tile: few registers).
@@ -1183,6 +1361,7 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
           config=config, return_residuals=return_residuals,
       )
     view = _view(x, axis, config.block_rows)
+    _check_wide_rows(self, view, config)
     x_shape, stat_shape = _array_shape(view)
     if view.is_3d and _column_forward(view.post, view.features):
       y, mean, rstd = _fwd_columns(
@@ -1210,13 +1389,16 @@ class TritonLayerNorm(_TritonLayerNormMixin, xla.LayerNorm):
       trips = pl.cdiv(blocks, min(blocks, _num_sms() * config.programs_per_sm))
       grid = (pl.cdiv(blocks, trips),)
       loop, num_stages = (grid[0], trips), config.num_stages
-    kernel = functools.partial(
-        _fwd_kernel, view=view, epsilon=float(epsilon),
-        scale_offset=float(scale_offset), subtract_mean=subtract_mean,
-        has_scale=scale is not None, has_offset=offset is not None,
-        save_stats=return_residuals, loop=loop,
-        prefetch=_prefetch(config, LOOP_PREFETCH),
-    )
+    flags = dict(
+        view=view, epsilon=float(epsilon), scale_offset=float(scale_offset),
+        subtract_mean=subtract_mean, has_scale=scale is not None,
+        has_offset=offset is not None, save_stats=return_residuals, loop=loop)
+    if config.feature_chunk and not view.is_3d:
+      kernel = functools.partial(_fwd_chunked_kernel, chunk=min(config.feature_chunk, view.fp),
+                                 **flags)
+    else:
+      kernel = functools.partial(_fwd_kernel, prefetch=_prefetch(config, LOOP_PREFETCH),
+                                 **flags)
     outs = _pallas_call(
         kernel, out_shape=out_shape, grid=grid, config=config,
         name="tokamax_layer_norm_fwd", num_stages=num_stages,
