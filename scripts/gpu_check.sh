@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] bash scripts/gpu_check.sh [tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] [STEP=1|2|3] bash scripts/gpu_check.sh [pending|tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -37,6 +37,30 @@ if [[ $what == ship ]]; then
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -12
   XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -p no:cacheprovider \
     tests/test_autotuning.py 2>&1 | tail -4
+  exit
+fi
+if [[ $what == pending ]]; then
+  # What the 2026-12-04 (21:35) session could not run (no GPU lent), one
+  # device call per STEP: 1 the attention GPU tests over the band-1 rule
+  # (0ab7072) and the grid refactor (ea31ef5); 2 the layer_norm wide-row
+  # and chunked-forward GPU tests, then "triton" against XLA at the wide
+  # shapes; 3 the band-1 timing ("mosaic", then "triton").
+  pt() { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 "$1" python3 -m pytest -q \
+    -n ${JOBS:-14} -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}" 2>&1 \
+    | grep -v "PytestBenchmarkWarning\|warner(" | tail -25; }
+  export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks
+  case ${STEP:-1} in
+    1) pt 540 tests/test_attention.py -k "(TestMosaicGpu or Triton) and not real_size" \
+         | tee "$OUT/pending_attention_tests.log" ;;
+    2) pt 240 tests/test_layer_norm.py -k "wide or chunked" | tee "$OUT/pending_ln_tests.log"
+       SHAPES=4096x18432,1024x65536,8192x8192 REPEATS=2 timeout 240 python3 benchmarks/layer_norm.py \
+         "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -30 ;;
+    3) for flag in HEAVY_FIRST_BAND triton.HEAVY_FIRST_BAND; do
+         mkdir -p "$OUT/${flag//./_}"
+         PAUSE_S=1.5 timeout 270 python3 benchmarks/attention_variance.py "$OUT/${flag//./_}" 6 small \
+           "$flag" None,8 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -12
+       done ;;
+  esac
   exit
 fi
 if [[ $what == gpu_tests ]]; then
