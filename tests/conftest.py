@@ -29,6 +29,30 @@ _set_constants(os.environ.get("TOKAMAX_TEST_CONSTANTS", ""))
 ON_GPU = jax.default_backend() == "gpu"
 
 
+# Every compiled executable keeps its code mapped until JAX's caches are
+# cleared, and a Mosaic-interpreted forward+gradient compiles hundreds of
+# small computations (~500 memory maps). A test process that reaches
+# vm.max_map_count (65530) segfaults in its next compilation (CI,
+# 2026-12-04: in TestMosaicInterpretManyBlocks after ~100 such tests), so a
+# process clears the caches once it holds this many maps.
+_MAX_MAPS = 20000
+
+
+def _memory_maps() -> int:
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+  yield
+  if _memory_maps() > _MAX_MAPS:
+    jax.clear_caches()
+
+
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU")
   config.addinivalue_line("markers", "slow: long-running test")
