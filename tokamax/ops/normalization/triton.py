@@ -593,6 +593,13 @@ def _fwd_kernel(*refs, view: _View, epsilon, scale_offset, subtract_mean,
     lax.fori_loop(_i32(0), _i32(trips), body, first)
 
 
+def _chunk_tile(v0, rows_ok, f0, chunk: int, features: int):
+  """(index, mask) of the [block, chunk] tile of an [R, F] array at rows
+  v0.. (rows_ok: their mask [block]), features f0.."""
+  mask = rows_ok[:, None] & (f0 + jnp.arange(chunk) < features)[None, :]
+  return (pl.ds(v0, rows_ok.shape[0]), pl.ds(f0, chunk)), mask
+
+
 def _fwd_chunked_kernel(*refs, view: _View, chunk: int, epsilon, scale_offset,
                         subtract_mean, has_scale, has_offset, save_stats, loop=None):
   """[R, F] forward by [block, chunk] tiles (config.feature_chunk): for rows
@@ -613,10 +620,8 @@ def _fwd_chunked_kernel(*refs, view: _View, chunk: int, epsilon, scale_offset,
 
   def load(v0, c):
     """(x tile [block, chunk] f32 (masked: 0), its mask, its index)."""
-    f0 = c * chunk
     rows_ok = v0 + jnp.arange(block) < view.vectors
-    mask = rows_ok[:, None] & (f0 + jnp.arange(chunk) < f)[None, :]
-    idx = (pl.ds(v0, block), pl.ds(f0, chunk))
+    idx, mask = _chunk_tile(v0, rows_ok, c * chunk, chunk, f)
     return pltr.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32), mask, idx
 
   def row_block(v0):
@@ -823,8 +828,7 @@ def _row_sums_by_chunks(x_ref, dy_ref, mean_ref, rstd_ref, scale_ref, proj_ref, 
 
     def add_chunk(c, sums):
       f0 = c * chunk
-      mask = vec_ok[:, None] & (f0 + jnp.arange(chunk) < f)[None, :]
-      idx = (pl.ds(v0, block), pl.ds(f0, chunk))
+      idx, mask = _chunk_tile(v0, vec_ok, f0, chunk, f)
       x = pltr.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
       dy = pltr.load(dy_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
       xhat = _xhat(x, mean, rstd, mask)
