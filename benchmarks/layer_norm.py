@@ -43,6 +43,8 @@ SHAPES = {
     # Rows wider than triton.MAX_FEATURES: its chunked kernels against XLA.
     "4096x18432": ((4096, 18432), 1),
     "1024x65536": ((1024, 65536), 1),
+    # ... and a middle axis that wide (its column kernels).
+    "16x32768x64 axis 1": ((16, 32768, 64), 1),
 }
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")
 MODES = ("forward", "forward_and_vjp")

@@ -53,7 +53,7 @@ if [[ $what == pending ]]; then
     1) pt 540 tests/test_attention.py -k "(TestMosaicGpu or Triton) and not real_size" \
          | tee "$OUT/pending_attention_tests.log" ;;
     2) pt 240 tests/test_layer_norm.py -k "wide or chunked" | tee "$OUT/pending_ln_tests.log"
-       SHAPES=4096x18432,1024x65536,8192x8192 REPEATS=2 timeout 240 python3 benchmarks/layer_norm.py \
+       SHAPES="4096x18432,1024x65536,16x32768x64 axis 1,8192x8192" REPEATS=2 timeout 240 python3 benchmarks/layer_norm.py \
          "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -30 ;;
     3) for flag in HEAVY_FIRST_BAND triton.HEAVY_FIRST_BAND; do
          mkdir -p "$OUT/${flag//./_}"

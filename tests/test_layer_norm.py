@@ -316,10 +316,31 @@ class TestTritonInterpret(LayerNormTestBase):
     with pytest.raises(NotImplementedError, match="triton.*fp64"):
       self.layer_norm(x, jnp.ones((8,), F64))
 
-  def test_too_many_features_refused_off_the_last_axis(self):
-    x = jax.ShapeDtypeStruct((2, triton_ln.MAX_FEATURES + 1, 3), BF16)
-    with pytest.raises(NotImplementedError, match="triton.*non-last axis.*16384"):
-      jax.eval_shape(functools.partial(self.layer_norm, axis=1), x)
+  @pytest.mark.parametrize("shape, axis, with_offset, subtract_mean, dtype", [
+      ((3, 100, 5), 1, True, True, F32), ((100, 2), 0, False, False, BF16),
+      ((2, 130, 3), 1, True, True, F16)])
+  def test_wide_non_last_axis(self, monkeypatch, shape, axis, with_offset,
+                              subtract_mean, dtype):
+    """A [pre, F, post] view wider than MAX_FEATURES (here 64) runs the
+    column kernels forward and backward, even where a slab would cover post
+    (post 2) or COLUMN_FORWARD asks for slabs, with any config: the
+    heuristic's or one pinned without feature_chunk; 100 / 130 features in
+    16-feature chunks (the last partly masked), the chunk loop split over
+    programs; y and every gradient vs f64."""
+    monkeypatch.setattr(triton_ln, "MAX_FEATURES", 64)
+    monkeypatch.setattr(triton_ln, "COLUMN_FORWARD", False)
+    monkeypatch.setattr(triton_ln, "_COLUMN_TILE_BYTES", 512)
+    monkeypatch.setattr(triton_ln, "_num_sms", lambda: 1)
+    post = math.prod(shape[axis + 1:])
+    assert triton_ln._column_forward(post, shape[axis])
+    x, scale, offset, ct_key = make_inputs(shape, axis, True, with_offset, dtype, 10)
+    ct = jax.random.normal(ct_key, shape, F32)
+    static = dict(axis=axis, subtract_mean=subtract_mean)
+    check_against_f64(self.layer_norm, (x, scale, offset), ct, **static)
+    pinned = triton_ln.TritonLayerNormConfig(block_rows=4, num_warps=4)
+    op = triton_ln.TritonLayerNorm(config=pinned,
+                                   vjp=triton_ln.TritonLayerNormVjp(config=pinned))
+    check_against_f64(op, (x, scale, offset), ct, **static)
 
   @pytest.mark.parametrize("with_scale, with_offset, subtract_mean, dtype", [
       (True, True, True, F32), (True, False, False, BF16), (False, True, True, F16),
@@ -578,6 +599,7 @@ def test_triton_backward_preference():
 @pytest.mark.parametrize("features, post, slab, forward, backward_config", [
     (1024, 4096, False, (128, 4), (128, 4)), (4096, 4096, False, (128, 4), (128, 4)),
     (16384, 64, False, (64, 4), (64, 4)), (77, 1000, True, (32, 4), (128, 4)),
+    (20000, 2, False, (2, 4), (2, 4)),  # > MAX_FEATURES: columns, though 2 fit a slab
     (72, 5, True, (8, 4), (8, 4)), (1024, 8, True, (8, 4), (8, 4)),
     (4096, 16, True, (16, 16), (16, 4)),  # slab: 4096 * 16 / 128 = 512 threads
     (512, 64, True, (32, 4), (64, 4)), (8192, 16, False, (16, 4), (16, 4)),
@@ -617,6 +639,7 @@ LOWER_CASES = {
     "max_features": ((5, 16384), BF16, True, True, True),
     "wide_rows": ((1027, 20000), BF16, True, True, True),
     "wide_rms_f32": ((3, 65536), F32, True, False, False),
+    "wide_axis1": ((2, 20000, 24), BF16, True, True, True, 1),
     "one_feature": ((3, 1), F32, False, True, True),
     "no_params": ((1000, 1000), BF16, False, False, True),
     "axis1_of_3": ((16, 4096, 512), BF16, True, True, True, 1),
@@ -790,6 +813,12 @@ def test_triton_wide_rows_configs_and_preference():
     narrow = dispatch.select("layer_norm", None, (jax.ShapeDtypeStruct((64, 16384), BF16),
                                                   jax.ShapeDtypeStruct((16384,), F32)), {})
     assert narrow.op.implementation == "triton"
+    # The same for a middle axis that wide (the column kernels).
+    xm = jax.ShapeDtypeStruct((2, wide, 8), BF16)
+    ba = dispatch.select("layer_norm", None, (xm, s), dict(axis=1))
+    assert ba.op.implementation == "xla"
+    ba = dispatch.select("layer_norm", "triton", (xm, s), dict(axis=1))
+    assert not ba.op.preferred(ba) and not ba.op.vjp.preferred(ba)
 
 
 def test_triton_cross_compile_dispatch():
@@ -847,13 +876,15 @@ def test_triton_gpu_looped_forward(shape, block_rows, warps, programs_per_sm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F32])
-@pytest.mark.parametrize("shape", [(1024 + 3, 18432), (257, 65536)])
-def test_triton_gpu_wide_rows(shape, dtype):
-  """Rows wider than MAX_FEATURES (the chunked forward and split backward,
-  heuristic configs) at real sizes vs f64: y and every gradient."""
-  x, scale, offset, ct_key = make_inputs(shape, -1, True, True, dtype, shape[1] % 97)
+@pytest.mark.parametrize("shape, axis", [((1024 + 3, 18432), -1), ((257, 65536), -1),
+                                         ((3, 20000, 200), 1), ((32768, 2), 0)])
+def test_triton_gpu_wide_rows(shape, axis, dtype):
+  """Vectors wider than MAX_FEATURES at real sizes vs f64, y and every
+  gradient, heuristic configs: rows (the chunked forward and split
+  backward) and middle or leading axes (the column kernels)."""
+  x, scale, offset, ct_key = make_inputs(shape, axis, True, True, dtype, shape[1] % 97)
   ct = jax.random.normal(ct_key, shape, F32)
-  f = lambda *a: tokamax.layer_norm(*a, implementation="triton")
+  f = lambda *a: tokamax.layer_norm(*a, axis=axis, implementation="triton")
   check_against_f64(f, (x, scale, offset), ct)
 
 

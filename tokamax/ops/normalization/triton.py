@@ -38,11 +38,12 @@ and so blocks too narrow to coalesce (8-byte rows at F = 4096).
 Rows wider than MAX_FEATURES (16384, what a program holds in registers)
 run chunked kernels (config.feature_chunk): the forward streams each row
 block twice in chunks (shifted sums for the statistics, then y), the
-backward is the split one with its row sums also by chunks.
+backward is the split one with its row sums also by chunks. A [pre, F,
+post] view wider than that always takes the two column kernels, which
+stream F in chunks anyway.
 
 Supported: NVIDIA sm_80+ (or interpret mode, see `interpret_mode`), bf16/f16/
-f32 inputs and parameters, any axis; F <= 16384 off the last axis, any F on
-it.
+f32 inputs and parameters, any axis, any F.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ _i32 = pallas_triton.i32
 
 # Widest rows a program holds whole in registers. Wider [R, F] rows run the
 # chunked kernels (config.feature_chunk: the chunked forward and the split
-# backward), which have no width limit; `implementation=None` does not pick
-# them (not yet timed against XLA); [pre, F, post] views stop here.
+# backward), wider [pre, F, post] views the column kernels (forward and
+# backward); neither has a width limit. `implementation=None` does not pick
+# "triton" above MAX_FEATURES (not yet timed against XLA).
 MAX_FEATURES = 16384
 # Heuristic configs above MAX_FEATURES (not measured; see MAX_FEATURES):
 # forward one row per program of 4 warps, 4 programs per SM, 2048-feature
@@ -331,7 +333,10 @@ def _column_forward(post: int, features: int) -> bool:
   one slab holds all of post (a contiguous [F, post] block of x) or F <= 512
   (slabs of 32 columns). The rule that matched all 11 shapes measured on the
   H200 (docs/benchmarks.md 2026-12-04); slabs of fewer columns, or of 32 at
-  larger F, were up to 10x slower (1.30 ms against 0.13 at [64, 4096, 256])."""
+  larger F, were up to 10x slower (1.30 ms against 0.13 at [64, 4096, 256]).
+  Always above MAX_FEATURES."""
+  if features > MAX_FEATURES:  # no slab of Fp features fits in registers
+    return True
   if COLUMN_FORWARD is not None:
     return COLUMN_FORWARD
   covers = _slab_columns(post, features) == _next_pow2(post)
@@ -430,17 +435,12 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
   for name in ("x", "scale", "offset"):
     if args[name] is not None:
       pallas_triton.check_dtype(op, name, args[name].dtype)
-  _, f, _, post = _rows_features(ba)
-  if f > MAX_FEATURES and post > 1:
-    raise op.unsupported(
-        f"normalising a non-last axis supports at most {MAX_FEATURES} features; got"
-        f" {f}."
-    )
 
 
 def _check_wide_rows(op: op_lib.Op, view: "_View", config: TritonLayerNormConfig) -> None:
-  """Rows wider than MAX_FEATURES need the chunked kernels."""
-  if view.features > MAX_FEATURES and not config.feature_chunk:
+  """[R, F] rows wider than MAX_FEATURES need the chunked kernels (a [pre, F,
+  post] view that wide runs the column kernels, whatever the config)."""
+  if not view.is_3d and view.features > MAX_FEATURES and not config.feature_chunk:
     raise op.unsupported(
         f"rows of {view.features} features (> {MAX_FEATURES}) do not fit a program's"
         f" registers; set config.feature_chunk (got {config})."
