@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] [STEP=1|2|3] bash scripts/gpu_check.sh [pending|tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] [STEP=1|2|3|4] bash scripts/gpu_check.sh [pending|tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -44,7 +44,8 @@ if [[ $what == pending ]]; then
   # device call per STEP: 1 the attention GPU tests over the band-1 rule
   # (0ab7072) and the grid refactor (ea31ef5); 2 the layer_norm wide-row
   # and chunked-forward GPU tests, then "triton" against XLA at the wide
-  # shapes; 3 the band-1 timing ("mosaic", then "triton").
+  # shapes; 3 the band-1 timing ("mosaic", then "triton"); 4 bands of 4
+  # against 8 (per kernel; the GQA dk/dv grid then gets a band of 1).
   pt() { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 "$1" python3 -m pytest -q \
     -n ${JOBS:-14} -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}" 2>&1 \
     | grep -v "PytestBenchmarkWarning\|warner(" | tail -25; }
@@ -59,6 +60,15 @@ if [[ $what == pending ]]; then
          mkdir -p "$OUT/${flag//./_}"
          PAUSE_S=1.5 timeout 270 python3 benchmarks/attention_variance.py "$OUT/${flag//./_}" 6 small \
            "$flag" None,8 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -12
+       done ;;
+    # Bands of 4 against 8 at the causal H128 and GQA shapes, per kernel:
+    # band 4 gives the forward and dq (128 heads) bands of 4, and the GQA
+    # dk/dv grid (32 kv heads; 32 * 4 <= 132) a band of 1, which the model
+    # favours (grid_order_model.py: tail 0.9 % against 3.9 % at 8).
+    4) for flag in HEAVY_FIRST_BAND triton.HEAVY_FIRST_BAND; do
+         mkdir -p "$OUT/${flag//./_}"
+         PAUSE_S=1.5 timeout 280 python3 benchmarks/attention_variance.py "$OUT/${flag//./_}" 6 \
+           "GQA,H128 causal" "$flag" 4,8 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -12
        done ;;
   esac
   exit
