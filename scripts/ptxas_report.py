@@ -10,22 +10,14 @@ On the GPU machine it compiles as a jitted call does. On a CPU-only machine
 it lowers for an H200 (cross-compile) and hands each Mosaic GPU module to
 MosaicGpuCompile of jax's CUDA PJRT plugin, the entry point XLA's custom
 call uses: Mosaic GPU's passes, LLVM's NVPTX backend and ptxas run for
-sm_90a, and only loading the cubin then fails (no GPU). This needs:
-- the plugin of this jax version, downloaded by pip (`jax-cuda13-pjrt`,
-  ~130 MB, no dependencies) into TOOLCHAIN (default
-  ~/.cache/tokamax_cpu_cuda);
-- a CUDA toolkit with ptxas and libdevice, CUDA_ROOT (default
-  /usr/local/cuda);
-- a C compiler: the plugin asks the driver for the device and its compute
-  capability before compiling. The script builds a four-function stand-in
-  for libcuda.so.1 that answers "device 0, sm_90" and loads it first.
+sm_90a, and only loading the cubin then fails (no GPU). What that needs
+(plugin download, ptxas, a driver stand-in) is in scripts/cpu_cuda.py.
 The reports and the PTX go to DUMP (default a temporary folder, printed);
 with nvdisasm on PATH (pip `nvidia-cuda-nvdisasm`), SASS=1 also writes each
 kernel's SASS there (ptxas then nvdisasm on the dumped PTX).
 """
 
 import ast
-import ctypes
 import glob
 import os
 import pathlib
@@ -42,46 +34,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental.mosaic.gpu import core as mgpu_core  # noqa: E402
 
+import cpu_cuda  # noqa: E402 (scripts/cpu_cuda.py)
 import tokamax  # noqa: E402
 from tokamax.ops.attention import mosaic as mo  # noqa: E402
-
-# Just what MosaicGpuCompile asks the driver before it compiles (attributes
-# 75/76: CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR/MINOR).
-_DRIVER_STUB = r"""
-typedef int CUresult;
-CUresult cuCtxGetDevice(int* d) { *d = 0; return 0; }
-CUresult cuDeviceGetAttribute(int* v, int attrib, int dev) {
-  *v = attrib == 75 ? 9 : 0;
-  return 0;
-}
-CUresult cuGetErrorString(int e, const char** s) { *s = "no GPU (stub driver)"; return 0; }
-CUresult cuGetErrorName(int e, const char** s) { *s = "CUDA_ERROR_NO_DEVICE"; return 0; }
-"""
-
-
-def _cpu_compiler():
-  """MosaicGpuCompile of the CUDA plugin, with the driver stand-in loaded."""
-  root = pathlib.Path(os.environ.get("TOOLCHAIN", "~/.cache/tokamax_cpu_cuda")).expanduser()
-  root.mkdir(parents=True, exist_ok=True)
-  plugin = root / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so"
-  if not plugin.exists():
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(root),
-                    f"jax-cuda13-pjrt=={jax.__version__}"], check=True)
-    [wheel] = root.glob("jax_cuda13_pjrt-*.whl")
-    subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel), str(root)], check=True)
-  stub = root / "libcuda.so.1"
-  if not stub.exists():
-    (root / "cuda_stub.c").write_text(_DRIVER_STUB)
-    subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(stub),
-                    str(root / "cuda_stub.c")], check=True)
-  # Loaded first under its soname, it is what the plugin's dlopen finds.
-  ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
-  os.environ.setdefault("MOSAIC_GPU_CUDA_ROOT", os.environ.get("CUDA_ROOT", "/usr/local/cuda"))
-  fn = ctypes.CDLL(str(plugin)).MosaicGpuCompile
-  fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
-  fn.restype = ctypes.c_void_p
-  return fn
-
 
 _SEEN = set()  # ptxas reports already printed
 
@@ -105,7 +60,7 @@ def _compile(f, q, cpu_compile):
     if os.environ.get("SASS"):
       ptx = path[:-len(".ptxas")] + ".ptx"
       cubin = path[:-len(".ptxas")] + ".cubin"
-      ptxas = os.path.join(os.environ["MOSAIC_GPU_CUDA_ROOT"], "bin", "ptxas")
+      ptxas = os.path.join(cpu_cuda.CUDA_ROOT, "bin", "ptxas")
       subprocess.run([ptxas, "-arch=sm_90a", ptx, "-o", cubin], check=True)
       with open(path[:-len(".ptxas")] + ".sass", "w") as out:
         subprocess.run(["nvdisasm", "-c", cubin], stdout=out, check=True)
@@ -126,7 +81,7 @@ def main():
   if os.environ.get("VJP"):  # also compile the gradient with this backward config
     vjp_config = mo.MosaicAttentionVjpConfig(*map(int, os.environ["VJP"].split(".")))
     extra["vjp"] = mo.MosaicDotProductAttentionVjp(config=vjp_config)
-  cpu_compile = None if jax.default_backend() == "gpu" else _cpu_compiler()
+  cpu_compile = None if jax.default_backend() == "gpu" else cpu_cuda.mosaic_compiler()
   print(f"dumps in {DUMP}", flush=True)
   q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
   for causal in (False, True):
