@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] [STEP=1|2|3|4] bash scripts/gpu_check.sh [pending|tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] [STEP=1..6] bash scripts/gpu_check.sh [pending|tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -45,7 +45,8 @@ if [[ $what == pending ]]; then
   # (0ab7072) and the grid refactor (ea31ef5); 2 the layer_norm wide-row
   # and chunked-forward GPU tests, then "triton" against XLA at the wide
   # shapes; 3 the band-1 timing ("mosaic", then "triton"); 4 bands of 4
-  # against 8 (per kernel; the GQA dk/dv grid then gets a band of 1).
+  # against 8 (per kernel; the GQA dk/dv grid then gets a band of 1); 5 and
+  # 6 the "triton" forward in row halves (tests, A/B, config sweep).
   pt() { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 "$1" python3 -m pytest -q \
     -n ${JOBS:-14} -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}" 2>&1 \
     | grep -v "PytestBenchmarkWarning\|warner(" | tail -25; }
@@ -70,6 +71,15 @@ if [[ $what == pending ]]; then
          PAUSE_S=1.5 timeout 280 python3 benchmarks/attention_variance.py "$OUT/${flag//./_}" 6 \
            "GQA,H128 causal" "$flag" 4,8 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -12
        done ;;
+    # The "triton" forward with its rows in two halves (FWD_ROW_PARTS = 2,
+    # 2026-12-05): the GPU tests with it, then the A/B at head dim 128; then
+    # (STEP 6) the forward configs with it.
+    5) TOKAMAX_TEST_CONSTANTS="tokamax.ops.attention.triton:FWD_ROW_PARTS=2" \
+         pt 300 tests/test_attention.py -k "TritonGpu" | tee "$OUT/pending_row_parts_tests.log"
+       timeout 240 python3 benchmarks/attention_mosaic_flag_ab.py "$OUT" triton.FWD_ROW_PARTS \
+         1,2 forward H128 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -12 ;;
+    6) timeout 500 python3 benchmarks/attention_sweep.py "$OUT" H128 fwd FWD_ROW_PARTS=2 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tail -40 ;;
   esac
   exit
 fi

@@ -3,7 +3,8 @@ H200: ptxas -v of every kernel of one jitted call. Usage:
   python scripts/triton_ptxas_report.py attention B T N H [BLOCK_Q BLOCK_K WARPS STAGES]
   python scripts/triton_ptxas_report.py layer_norm R F
 CAUSAL=1 for causal attention; VJP=1 compiles the gradient too (heuristic
-backward configs); KEEP=DIR keeps each ptxas call's PTX and cubin there (and
+backward configs); SET="NAME=VALUE,..." sets constants of the op's triton
+module first (e.g. SET=FWD_ROW_PARTS=2); KEEP=DIR keeps each ptxas call's PTX and cubin there (and
 its SASS, with nvdisasm on PATH: pip `nvidia-cuda-nvdisasm`).
 
 XLA is made to run ptxas as a program (not its in-process compiler) from a
@@ -13,6 +14,7 @@ for a compile-only H200 (XLA's deviceless compilation, scripts/cpu_cuda.py),
 with the same Triton pipeline.
 """
 
+import ast
 import os
 import pathlib
 import shutil
@@ -76,6 +78,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import tokamax  # noqa: E402
 from tokamax.ops.attention import triton as triton_attn  # noqa: E402
+from tokamax.ops.normalization import triton as triton_ln  # noqa: E402
 
 
 def _call(argv):
@@ -97,6 +100,10 @@ def _call(argv):
 
 
 def main():
+  module = triton_ln if sys.argv[1] == "layer_norm" else triton_attn
+  for item in filter(None, os.environ.get("SET", "").split(",")):
+    name, value = item.split("=")
+    setattr(module, name, ast.literal_eval(value))
   f, shapes = _call(sys.argv[1:])
   if os.environ.get("VJP"):
     fwd = f

@@ -449,6 +449,17 @@ class TestTritonInterpretSmallBlocks(_InterpretMixin, AttentionTestBase):
     c = dataclasses.replace(FEATURES[feature], n=4, kh=2)
     self.check(c, F32, feature)
 
+  @pytest.mark.parametrize("feature", sorted(FEATURES))
+  def test_forward_row_parts(self, monkeypatch, feature):
+    """The forward with its query rows in two halves (FWD_ROW_PARTS = 2;
+    halves of 16 rows here, 64 on the GPU): each half's own running max,
+    sum and accumulator, masks and bias rows, every feature vs f64."""
+    monkeypatch.setattr(triton_attn, "FWD_ROW_PARTS", 2)
+    monkeypatch.setattr(triton_attn, "_MIN_PART_ROWS", 16)
+    self.op = _triton_op(dict(block_q=32, block_k=16), dict(block_k=16, block_q=16,
+                                                           dq_block_q=16, dq_block_k=16))
+    self.check(FEATURES[feature], F32, feature)
+
   @hypothesis.settings(max_examples=10, deadline=None)
   @hypothesis.given(
       t=st.integers(1, 70), s=st.integers(1, 70), bq=st.sampled_from([16, 32]),
@@ -517,6 +528,26 @@ def test_triton_lowers_for_cuda(name):
   # jnp.exp2's non-ftz lowering, in every kernel.
   assert "ex2.approx.ftz.f32" in fwd_text
   assert grad_text.count("ex2.approx.ftz.f32") >= 3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_forward_row_parts_lowering(monkeypatch, causal):
+  """FWD_ROW_PARTS = 2 at head dim 128 (the heuristic's 128-row blocks: two
+  halves of 64) lowers for an H200: one kernel, two q.k^T and two P.V dots
+  in each loop body; 64-row blocks (head dim 64) keep one part."""
+  monkeypatch.setattr(triton_attn, "FWD_ROW_PARTS", 2)
+  q = jax.ShapeDtypeStruct((2, 1024, 4, 128), BF16)
+  f = lambda q: tokamax.dot_product_attention(q, q, q, is_causal=causal,
+                                              implementation="triton")
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(f, q)
+    assert text.count(TRITON_TARGET) == 1
+    jaxpr = str(jax.make_jaxpr(f)(q))
+    # _run_blocks' three loops (masked, full, masked), each with 2 + 2 dots.
+    assert jaxpr.count("dot_general") == 3 * 4
+    q64 = jax.ShapeDtypeStruct((2, 1024, 4, 64), BF16)
+    jaxpr64 = str(jax.make_jaxpr(f)(q64))
+    assert jaxpr64.count("dot_general") == 3 * 2
 
 
 def test_triton_cross_compile_dispatch():

@@ -61,6 +61,10 @@ _M_INIT = -1e30
 HEAVY_FIRST_BAND = 8
 HEAVY_FIRST_MAX_WAVES = 36
 SMS = 132  # H100/H200 SXM
+# Forward: row parts per program (1, or 2 halves whose q.k^T products and
+# softmaxes interleave, see _fwd_kernel); halves of at least 64 rows.
+FWD_ROW_PARTS = 1
+_MIN_PART_ROWS = 64  # a warpgroup's wgmma tile
 
 
 def heavy_first_band(sp: "Spec", groups: int, blocks: int,
@@ -422,57 +426,73 @@ def _split_refs(refs, sp: Spec, names):
 # --- forward -------------------------------------------------------------------
 
 
-def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool):
+def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool, parts: int = 1):
+  """FlashAttention-2 forward over the query rows [t0, t0 + bq) of one program.
+
+  With parts = 2 the rows are two halves, each with its own running max, sum
+  and accumulator; a step issues both halves' q.k^T products before the
+  first half's softmax, so the second product can run under it (the only
+  wait Triton places is before a product's first use), and the first half's
+  P.V under the second half's softmax.
+  """
   r, outs = _split_refs(refs, sp, ("q", "k", "v", "bias", "mask", "q_len", "kv_len"))
   o_ref = outs[0]
   lse_ref = outs[1] if save_lse else None
   i, b, n = _query_program(sp, r["q"], bq)
   kh = n // sp.groups
   t0 = i * bq
-  rows = t0 + jnp.arange(bq)
+  rows_of = bq // parts
+  starts = [t0] + [t0 + p_ * rows_of for p_ in range(1, parts)]
+  rows_of_part = [r0 + jnp.arange(rows_of) for r0 in starts]
   q_lim, kv_lim = _lengths(sp, r["q_len"], r["kv_len"], b)
-  q = _load_rows(r["q"], b, n, t0, bq, sp.hp, sp.t, sp.h, True)
+  qs = [_load_rows(r["q"], b, n, r0, rows_of, sp.hp, sp.t, sp.h, True) for r0 in starts]
 
   def body(j, carry, masked):
-    m, l, acc = carry
     k0 = j * bk
     cols = k0 + jnp.arange(bk)
     k = _load_rows(r["k"], b, kh, k0, bk, sp.hp, sp.s, sp.h, masked)
     v = _load_rows(r["v"], b, kh, k0, bk, sp.hvp, sp.s, sp.hv, masked)
-    vis = _visibility(sp, masked, rows, cols, q_lim, kv_lim, r["mask"], b, n,
-                      t0, k0, bq, bk)
-    bias = None
-    if r["bias"] is not None:
-      bias = _load_ts(r["bias"], sp.bias_dims, b, n, t0, k0, bq, bk, sp, 0.0)
-    # Base-2 logits z * c: with c > 0 the running max is taken on z itself and
-    # c folds into the exponential's FMA (one FFMA + ex2 per logit).
-    z, c, _ = _logits2(sp, q, k, bias)
-    if c <= 0:  # a scale <= 0 without bias or cap
-      z, c = z * c, 1.0
-    if vis is not None:
-      z = jnp.where(vis, z, -jnp.inf)
-    z_max = jnp.max(z, axis=1)
-    m_new = jnp.maximum(m, z_max * c if c != 1.0 else z_max)
-    p = pallas_triton.exp2_fma(z, c, m_new[:, None])
-    alpha = jnp.exp2(m - m_new)
-    l = l * alpha + jnp.sum(p, axis=1)
-    pv = pltr.dot(p.astype(v.dtype), v, precision=sp.precision)
-    return m_new, l, acc * alpha[:, None] + pv
+    logits = []
+    for r0, rows, q in zip(starts, rows_of_part, qs):
+      vis = _visibility(sp, masked, rows, cols, q_lim, kv_lim, r["mask"], b, n,
+                        r0, k0, rows_of, bk)
+      bias = None
+      if r["bias"] is not None:
+        bias = _load_ts(r["bias"], sp.bias_dims, b, n, r0, k0, rows_of, bk, sp, 0.0)
+      # Base-2 logits z * c: with c > 0 the running max is taken on z itself and
+      # c folds into the exponential's FMA (one FFMA + ex2 per logit).
+      z, c, _ = _logits2(sp, q, k, bias)
+      if c <= 0:  # a scale <= 0 without bias or cap
+        z, c = z * c, 1.0
+      logits.append((z, c, vis))
+    new = []
+    for (m, l, acc), (z, c, vis) in zip(carry, logits):
+      if vis is not None:
+        z = jnp.where(vis, z, -jnp.inf)
+      z_max = jnp.max(z, axis=1)
+      m_new = jnp.maximum(m, z_max * c if c != 1.0 else z_max)
+      p = pallas_triton.exp2_fma(z, c, m_new[:, None])
+      alpha = jnp.exp2(m - m_new)
+      l = l * alpha + jnp.sum(p, axis=1)
+      pv = pltr.dot(p.astype(v.dtype), v, precision=sp.precision)
+      new.append((m_new, l, acc * alpha[:, None] + pv))
+    return tuple(new)
 
-  init = (
-      jnp.full((bq,), _M_INIT, jnp.float32),
-      jnp.zeros((bq,), jnp.float32),
-      jnp.zeros((bq, sp.hvp), jnp.float32),
-  )
+  init = tuple((
+      jnp.full((rows_of,), _M_INIT, jnp.float32),
+      jnp.zeros((rows_of,), jnp.float32),
+      jnp.zeros((rows_of, sp.hvp), jnp.float32),
+  ) for _ in range(parts))
   ranges = _key_blocks(sp, t0, bq, bk, q_lim, kv_lim)
-  m, l, acc = _run_blocks(ranges, body, init)
-  # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
-  ok = (l > 0) & (rows < q_lim)
-  out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
-  _store_rows(o_ref, out, b, n, t0, sp.t, sp.hv)
-  if lse_ref is not None:
-    lse = jnp.where(ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * LN2, 0.0)
-    pltr.store(lse_ref.at[b, n, pl.ds(t0, bq)], lse, mask=rows < sp.t)
+  final = _run_blocks(ranges, body, init)
+  for r0, rows, (m, l, acc) in zip(starts, rows_of_part, final):
+    # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
+    ok = (l > 0) & (rows < q_lim)
+    out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
+    _store_rows(o_ref, out, b, n, r0, sp.t, sp.hv)
+    if lse_ref is not None:
+      lse = jnp.where(ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * LN2, 0.0)
+      pltr.store(lse_ref.at[b, n, pl.ds(r0, rows_of)], lse, mask=rows < sp.t)
 
 
 def _flat_grid(sp: Spec, bsz: int, heads: int, blocks: int):
@@ -514,7 +534,8 @@ def attention_forward(args, config: TritonAttentionConfig, return_residuals: boo
   out_shape = [jax.ShapeDtypeStruct((bsz, t, n, sp.hv), q.dtype)]
   if return_residuals:
     out_shape.append(jax.ShapeDtypeStruct((bsz, n, t), jnp.float32))
-  kernel = functools.partial(_fwd_kernel, sp=sp, bq=bq, bk=bk, save_lse=return_residuals)
+  kernel = functools.partial(_fwd_kernel, sp=sp, bq=bq, bk=bk, save_lse=return_residuals,
+                             parts=FWD_ROW_PARTS if bq >= _MIN_PART_ROWS * FWD_ROW_PARTS else 1)
   outs = pallas_triton.pallas_call(
       kernel, out_shape=out_shape, grid=(bsz * n * pl.cdiv(t, bq),),
       num_warps=config.num_warps, num_stages=config.num_stages,
