@@ -441,11 +441,11 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool, parts: int = 
   i, b, n = _query_program(sp, r["q"], bq)
   kh = n // sp.groups
   t0 = i * bq
-  rows_of = bq // parts
-  starts = [t0] + [t0 + p_ * rows_of for p_ in range(1, parts)]
-  rows_of_part = [r0 + jnp.arange(rows_of) for r0 in starts]
+  part_rows = bq // parts
+  starts = [t0] + [t0 + p_ * part_rows for p_ in range(1, parts)]
+  rows_by_part = [r0 + jnp.arange(part_rows) for r0 in starts]
   q_lim, kv_lim = _lengths(sp, r["q_len"], r["kv_len"], b)
-  qs = [_load_rows(r["q"], b, n, r0, rows_of, sp.hp, sp.t, sp.h, True) for r0 in starts]
+  qs = [_load_rows(r["q"], b, n, r0, part_rows, sp.hp, sp.t, sp.h, True) for r0 in starts]
 
   def body(j, carry, masked):
     k0 = j * bk
@@ -453,12 +453,12 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool, parts: int = 
     k = _load_rows(r["k"], b, kh, k0, bk, sp.hp, sp.s, sp.h, masked)
     v = _load_rows(r["v"], b, kh, k0, bk, sp.hvp, sp.s, sp.hv, masked)
     logits = []
-    for r0, rows, q in zip(starts, rows_of_part, qs):
+    for r0, rows, q in zip(starts, rows_by_part, qs):
       vis = _visibility(sp, masked, rows, cols, q_lim, kv_lim, r["mask"], b, n,
-                        r0, k0, rows_of, bk)
+                        r0, k0, part_rows, bk)
       bias = None
       if r["bias"] is not None:
-        bias = _load_ts(r["bias"], sp.bias_dims, b, n, r0, k0, rows_of, bk, sp, 0.0)
+        bias = _load_ts(r["bias"], sp.bias_dims, b, n, r0, k0, part_rows, bk, sp, 0.0)
       # Base-2 logits z * c: with c > 0 the running max is taken on z itself and
       # c folds into the exponential's FMA (one FFMA + ex2 per logit).
       z, c, _ = _logits2(sp, q, k, bias)
@@ -479,20 +479,20 @@ def _fwd_kernel(*refs, sp: Spec, bq: int, bk: int, save_lse: bool, parts: int = 
     return tuple(new)
 
   init = tuple((
-      jnp.full((rows_of,), _M_INIT, jnp.float32),
-      jnp.zeros((rows_of,), jnp.float32),
-      jnp.zeros((rows_of, sp.hvp), jnp.float32),
+      jnp.full((part_rows,), _M_INIT, jnp.float32),
+      jnp.zeros((part_rows,), jnp.float32),
+      jnp.zeros((part_rows, sp.hvp), jnp.float32),
   ) for _ in range(parts))
   ranges = _key_blocks(sp, t0, bq, bk, q_lim, kv_lim)
   final = _run_blocks(ranges, body, init)
-  for r0, rows, (m, l, acc) in zip(starts, rows_of_part, final):
+  for r0, rows, (m, l, acc) in zip(starts, rows_by_part, final):
     # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
     ok = (l > 0) & (rows < q_lim)
     out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
     _store_rows(o_ref, out, b, n, r0, sp.t, sp.hv)
     if lse_ref is not None:
       lse = jnp.where(ok, (m + jnp.log2(jnp.where(ok, l, 1.0))) * LN2, 0.0)
-      pltr.store(lse_ref.at[b, n, pl.ds(r0, rows_of)], lse, mask=rows < sp.t)
+      pltr.store(lse_ref.at[b, n, pl.ds(r0, part_rows)], lse, mask=rows < sp.t)
 
 
 def _flat_grid(sp: Spec, bsz: int, heads: int, blocks: int):
