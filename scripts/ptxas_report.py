@@ -17,7 +17,6 @@ with nvdisasm on PATH (pip `nvidia-cuda-nvdisasm`), SASS=1 also writes each
 kernel's SASS there (ptxas then nvdisasm on the dumped PTX).
 """
 
-import ast
 import glob
 import os
 import pathlib
@@ -34,6 +33,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental.mosaic.gpu import core as mgpu_core  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import common  # noqa: E402 (benchmarks/common.py)
 import cpu_cuda  # noqa: E402 (scripts/cpu_cuda.py)
 import tokamax  # noqa: E402
 from tokamax.ops.attention import mosaic as mo  # noqa: E402
@@ -67,9 +68,7 @@ def _compile(f, q, cpu_compile):
 
 
 def main():
-  for item in filter(None, os.environ.get("SET", "").split(",")):
-    name, value = item.split("=")
-    setattr(mo, name, ast.literal_eval(value))
+  common.set_constants(mo, os.environ.get("SET", ""))
   b, t, n, h = map(int, sys.argv[1:5]) if len(sys.argv) > 4 else (1, 1024, 2, 64)
   config = None
   if len(sys.argv) > 7:

@@ -14,7 +14,6 @@ for a compile-only H200 (XLA's deviceless compilation, scripts/cpu_cuda.py),
 with the same Triton pipeline.
 """
 
-import ast
 import os
 import pathlib
 import shutil
@@ -76,6 +75,8 @@ if os.environ.get("KEEP"):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import common  # noqa: E402 (benchmarks/common.py)
 import tokamax  # noqa: E402
 from tokamax.ops.attention import triton as triton_attn  # noqa: E402
 from tokamax.ops.normalization import triton as triton_ln  # noqa: E402
@@ -101,9 +102,7 @@ def _call(argv):
 
 def main():
   module = triton_ln if sys.argv[1] == "layer_norm" else triton_attn
-  for item in filter(None, os.environ.get("SET", "").split(",")):
-    name, value = item.split("=")
-    setattr(module, name, ast.literal_eval(value))
+  common.set_constants(module, os.environ.get("SET", ""))
   f, shapes = _call(sys.argv[1:])
   if os.environ.get("VJP"):
     fwd = f
