@@ -1,11 +1,13 @@
 """Sweeps "triton" attention configs at the benchmark shapes (GPU).
 
-Usage: python benchmarks/attention_sweep.py [OUT_DIR] [SHAPE_WORD] [fwd] [NAME=VALUE,...]
+Usage: python benchmarks/attention_sweep.py [OUT_DIR] [SHAPE_WORD] [fwd] [NAME=VALUE,...] [PARTS]
 For each shape and causal flag: cuDNN (jax.nn) forward and forward+backward,
 then every forward config of a short list, then every backward config with
 the best forward config (unless "fwd" is given). SHAPE_WORD keeps the shapes
 whose label contains it; NAME=VALUE sets constants of the triton module
-(an experiment's switch) for the whole run. Prints times and writes
+(an experiment's switch) for the whole run. PARTS: the forward configs'
+row_parts values to try, comma-separated (default 1; 2 only where
+block_q >= 128). Prints times and writes
 attention_sweep.json.
 """
 
@@ -42,7 +44,7 @@ def _time(f, specs, mode):
   return benchmarking.benchmark(f_std, flat, iterations=ITERATIONS).median_evaluation_time_ms
 
 
-def main(out_dir=".", shape_word="", only_fwd="", constants=""):
+def main(out_dir=".", shape_word="", only_fwd="", constants="", parts="1"):
   rows = []
   common.set_constants(tr, constants)
 
@@ -63,15 +65,18 @@ def main(out_dir=".", shape_word="", only_fwd="", constants=""):
       record(shape=label, causal=causal, impl="cudnn", fwd_ms=c_f, fwdbwd_ms=c_fb,
              fwd_tflops=flops / c_f / 1e9, fwdbwd_tflops=3.5 * flops / c_fb / 1e9)
       best = None
-      for bq, bk, w, st in FWD:
-        cfg = tr.TritonAttentionConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+      fwd = [(*c, p) for c in FWD for p in map(int, parts.split(","))
+             if p == 1 or c[0] >= 128]
+      for bq, bk, w, st, p in fwd:
+        cfg = tr.TritonAttentionConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st,
+                                       row_parts=p)
         op = tr.TritonDotProductAttention(config=cfg)
         try:
           ms = _time(lambda q, k, v: op(q, k, v, is_causal=causal), (q, kv, kv), "forward")
         except Exception as e:  # a config may not compile (smem, registers)
           record(shape=label, causal=causal, fwd=str(cfg), error=str(e)[:200])
           continue
-        record(shape=label, causal=causal, fwd=(bq, bk, w, st), fwd_ms=ms,
+        record(shape=label, causal=causal, fwd=(bq, bk, w, st, p), fwd_ms=ms,
                vs_cudnn=c_f / ms)
         if best is None or ms < best[1]:
           best = (cfg, ms)
@@ -89,7 +94,7 @@ def main(out_dir=".", shape_word="", only_fwd="", constants=""):
         record(shape=label, causal=causal, bwd=(bk, bq, w, st), fwdbwd_ms=ms,
                vs_cudnn=c_fb / ms)
   common.save(out_dir, "attention_sweep", rows, iterations=ITERATIONS,
-              constants=constants)
+              constants=constants, parts=parts)
 
 
 if __name__ == "__main__":

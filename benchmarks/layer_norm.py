@@ -1,9 +1,10 @@
 """layer_norm benchmark: tokamax "mosaic" and "triton" against "xla".
 
-Usage: [SHAPES=8192x8192,...] [MODES=forward] [REPEATS=n] [PARAM_DTYPE=bfloat16] \
-  python benchmarks/layer_norm.py [OUT_DIR]
+Usage: [SHAPES=8192x8192,...] [MODES=forward] [IMPLS=auto,xla] [REPEATS=n] \
+  [PARAM_DTYPE=bfloat16] python benchmarks/layer_norm.py [OUT_DIR]
 Prints a markdown table and writes layer_norm.json to OUT_DIR (default: .).
-SHAPES and MODES pick a subset of the labels below; REPEATS times each row
+SHAPES, MODES and IMPLS pick a subset of the labels below ("auto" is
+implementation=None, what dispatch picks); REPEATS times each row
 n times in the same process (the spread between timings, not just one).
 x is bf16 [R, F] (normalised over F) or [16, 1024, 4096] normalised over
 axis 1 (the [pre, F, post] kernel), scale and offset f32 [F] (or
@@ -46,7 +47,7 @@ SHAPES = {
     # ... and a middle axis that wide (its column kernels).
     "16x32768x64 axis 1": ((16, 32768, 64), 1),
 }
-IMPLEMENTATIONS = ("mosaic", "triton", "xla")
+IMPLEMENTATIONS = ("mosaic", "triton", "xla", "auto")
 MODES = ("forward", "forward_and_vjp")
 # Arrays of x's size that a mode moves at least once (see module docstring).
 ARRAYS_MOVED = {"forward": 2, "forward_and_vjp": 5}
@@ -62,6 +63,7 @@ def main(out_dir="."):
   on_gpu = jax.default_backend() == "gpu"
   shapes = _pick(SHAPES, os.environ.get("SHAPES"))
   modes = _pick(MODES, os.environ.get("MODES"))
+  impls = _pick(IMPLEMENTATIONS, os.environ.get("IMPLS", "mosaic,triton,xla"))
   repeats = int(os.environ.get("REPEATS", "1"))
   param_dtype = jnp.dtype(os.environ.get("PARAM_DTYPE", "float32"))
   rows = []
@@ -73,9 +75,9 @@ def main(out_dir="."):
     p = jax.ShapeDtypeStruct((shape[axis],), param_dtype)
     size = x.size
     for mode in modes:
-      for impl in IMPLEMENTATIONS:
+      for impl in impls:
         fn = lambda x, s, o, impl=impl, axis=axis: tokamax.layer_norm(
-            x, s, o, axis=axis, implementation=impl)
+            x, s, o, axis=axis, implementation=None if impl == "auto" else impl)
         row = dict(shape=label, mode=mode, impl=impl)
         try:
           data = _time(fn, (x, p, p), mode)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] [STEP=1..6] bash scripts/gpu_check.sh [pending|tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] [STEP="1 2 3"] bash scripts/gpu_check.sh [pending|tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -40,47 +40,32 @@ if [[ $what == ship ]]; then
   exit
 fi
 if [[ $what == pending ]]; then
-  # What the 2026-12-04 (21:35) session could not run (no GPU lent), one
-  # device call per STEP: 1 the attention GPU tests over the band-1 rule
-  # (0ab7072) and the grid refactor (ea31ef5); 2 the layer_norm wide-row
-  # and chunked-forward GPU tests, then "triton" against XLA at the wide
-  # shapes; 3 the band-1 timing ("mosaic", then "triton"); 4 bands of 4
-  # against 8 (per kernel; the GQA dk/dv grid then gets a band of 1); 5 and
-  # 6 the "triton" forward in row halves (tests, A/B, config sweep).
+  # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
+  # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
+  # dim (the "triton" heuristic's row halves at head dim 128, its bands of
+  # 4, the band-1 rule up to 33 heads in both kernels); 2 the layer_norm
+  # wide GPU tests, then `implementation=None` ("auto": the "triton"
+  # forward, XLA's VJP for rows) against XLA above 16384 features; 3 the
+  # causal H128 and GQA forward+backward at the defaults against cuDNN.
   pt() { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 "$1" python3 -m pytest -q \
     -n ${JOBS:-14} -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}" 2>&1 \
     | grep -v "PytestBenchmarkWarning\|warner(" | tail -25; }
   export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks
-  case ${STEP:-1} in
-    1) pt 540 tests/test_attention.py -k "(TestMosaicGpu or Triton) and not real_size" \
+  for step in ${STEP:-1}; do
+  case $step in
+    1) pt ${TEST_S:-300} tests/test_attention.py \
+         -k "(TritonGpu or TestMosaicGpu) and (real_size or head_dims)" \
          | tee "$OUT/pending_attention_tests.log" ;;
-    2) pt 240 tests/test_layer_norm.py -k "wide or chunked" | tee "$OUT/pending_ln_tests.log"
-       SHAPES="4096x18432,1024x65536,16x32768x64 axis 1,8192x8192" REPEATS=2 timeout 240 python3 benchmarks/layer_norm.py \
-         "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -30 ;;
-    3) for flag in HEAVY_FIRST_BAND triton.HEAVY_FIRST_BAND; do
-         mkdir -p "$OUT/${flag//./_}"
-         PAUSE_S=1.5 timeout 270 python3 benchmarks/attention_variance.py "$OUT/${flag//./_}" 6 small \
-           "$flag" None,8 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -12
+    2) pt 120 tests/test_layer_norm.py -k "wide or chunked" | tee "$OUT/pending_ln_tests.log"
+       SHAPES="4096x18432,1024x65536,16x32768x64 axis 1" IMPLS=auto,triton,xla timeout 150 \
+         python3 benchmarks/layer_norm.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -16 ;;
+    3) for flag in "HEAVY_FIRST_BAND 8" "triton.HEAVY_FIRST_BAND 4"; do
+         set -- $flag; mkdir -p "$OUT/${1//./_}"
+         PAUSE_S=1 timeout 150 python3 benchmarks/attention_variance.py "$OUT/${1//./_}" 4 \
+           "GQA,H128 causal" "$1" "$2" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -6
        done ;;
-    # Bands of 4 against 8 at the causal H128 and GQA shapes, per kernel:
-    # band 4 gives the forward and dq (128 heads) bands of 4, and the GQA
-    # dk/dv grid (32 kv heads; 32 * 4 <= 132) a band of 1, which the model
-    # favours (grid_order_model.py: tail 0.9 % against 3.9 % at 8).
-    4) for flag in HEAVY_FIRST_BAND triton.HEAVY_FIRST_BAND; do
-         mkdir -p "$OUT/${flag//./_}"
-         PAUSE_S=1.5 timeout 280 python3 benchmarks/attention_variance.py "$OUT/${flag//./_}" 6 \
-           "GQA,H128 causal" "$flag" 4,8 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -12
-       done ;;
-    # The "triton" forward with its rows in two halves (FWD_ROW_PARTS = 2,
-    # 2026-12-05): the GPU tests with it, then the A/B at head dim 128; then
-    # (STEP 6) the forward configs with it.
-    5) TOKAMAX_TEST_CONSTANTS="tokamax.ops.attention.triton:FWD_ROW_PARTS=2" \
-         pt 300 tests/test_attention.py -k "TritonGpu" | tee "$OUT/pending_row_parts_tests.log"
-       timeout 240 python3 benchmarks/attention_mosaic_flag_ab.py "$OUT" triton.FWD_ROW_PARTS \
-         1,2 forward H128 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -12 ;;
-    6) timeout 500 python3 benchmarks/attention_sweep.py "$OUT" H128 fwd FWD_ROW_PARTS=2 2>&1 \
-         | grep -v "cuda_timer\|Delay kernel" | tail -40 ;;
   esac
+  done
   exit
 fi
 if [[ $what == gpu_tests ]]; then

@@ -1,10 +1,10 @@
 """Registers and spills of the "triton" kernels as XLA compiles them for an
 H200: ptxas -v of every kernel of one jitted call. Usage:
-  python scripts/triton_ptxas_report.py attention B T N H [BLOCK_Q BLOCK_K WARPS STAGES]
+  python scripts/triton_ptxas_report.py attention B T N H [BLOCK_Q BLOCK_K WARPS STAGES [ROW_PARTS]]
   python scripts/triton_ptxas_report.py layer_norm R F
 CAUSAL=1 for causal attention; VJP=1 compiles the gradient too (heuristic
 backward configs); SET="NAME=VALUE,..." sets constants of the op's triton
-module first (e.g. SET=FWD_ROW_PARTS=2); KEEP=DIR keeps each ptxas call's PTX and cubin there (and
+module first (e.g. SET=HEAVY_FIRST_BAND=8); KEEP=DIR keeps each ptxas call's PTX and cubin there (and
 its SASS, with nvdisasm on PATH: pip `nvidia-cuda-nvdisasm`).
 
 XLA is made to run ptxas as a program (not its in-process compiler) from a
@@ -91,9 +91,9 @@ def _call(argv):
   b, t, n, h = map(int, argv[1:5])
   causal = bool(os.environ.get("CAUSAL"))
   if len(argv) > 5:
-    bq, bk, warps, stages = map(int, argv[5:9])
+    bq, bk, warps, stages, parts = map(int, (argv[5:10] + ["1"])[:5])
     config = triton_attn.TritonAttentionConfig(block_q=bq, block_k=bk, num_warps=warps,
-                                               num_stages=stages)
+                                               num_stages=stages, row_parts=parts)
     op = triton_attn.TritonDotProductAttention(config=config)
     return (lambda q: op(q, q, q, is_causal=causal)), [((b, t, n, h), jnp.bfloat16)]
   return (lambda q: tokamax.dot_product_attention(

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import pydantic
 
 import tokamax
 from tokamax.ops.attention import xla_chunked
@@ -451,12 +452,12 @@ class TestTritonInterpretSmallBlocks(_InterpretMixin, AttentionTestBase):
 
   @pytest.mark.parametrize("feature", sorted(FEATURES))
   def test_forward_row_parts(self, monkeypatch, feature):
-    """The forward with its query rows in two halves (FWD_ROW_PARTS = 2;
+    """The forward with its query rows in two halves (config.row_parts = 2;
     halves of 16 rows here, 64 on the GPU): each half's own running max,
     sum and accumulator, masks and bias rows, every feature vs f64."""
-    monkeypatch.setattr(triton_attn, "FWD_ROW_PARTS", 2)
     monkeypatch.setattr(triton_attn, "_MIN_PART_ROWS", 16)
-    self.op = _triton_op(dict(block_q=32, block_k=16), dict(block_k=16, block_q=16,
+    self.op = _triton_op(dict(block_q=32, block_k=16, row_parts=2),
+                         dict(block_k=16, block_q=16,
                                                            dq_block_q=16, dq_block_k=16))
     self.check(FEATURES[feature], F32, feature)
 
@@ -531,11 +532,16 @@ def test_triton_lowers_for_cuda(name):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_triton_forward_row_parts_lowering(monkeypatch, causal):
-  """FWD_ROW_PARTS = 2 at head dim 128 (the heuristic's 128-row blocks: two
-  halves of 64) lowers for an H200: one kernel, two q.k^T and two P.V dots
-  in each loop body; 64-row blocks (head dim 64) keep one part."""
-  monkeypatch.setattr(triton_attn, "FWD_ROW_PARTS", 2)
+def test_triton_forward_row_parts_lowering(causal):
+  """The heuristic's row halves at head dim 128 (128-row blocks: two halves
+  of 64) lower for an H200: one kernel, two q.k^T and two P.V dots in each
+  loop body; 64-row blocks (head dim 64) keep one part, and so does
+  row_parts = 2 with a block clipped below 128 rows."""
+  assert triton_attn.heuristic_config(1024, 1024, 128, 2).row_parts == 2
+  assert triton_attn.heuristic_config(100, 1024, 128, 2).row_parts == 2  # 128-row block
+  assert triton_attn.heuristic_config(64, 1024, 128, 2).row_parts == 1
+  assert triton_attn.heuristic_config(1024, 1024, 128, 4).row_parts == 1  # f32: 64 rows
+  assert triton_attn.heuristic_config(1024, 1024, 64, 2).row_parts == 1
   q = jax.ShapeDtypeStruct((2, 1024, 4, 128), BF16)
   f = lambda q: tokamax.dot_product_attention(q, q, q, is_causal=causal,
                                               implementation="triton")
@@ -548,6 +554,15 @@ def test_triton_forward_row_parts_lowering(monkeypatch, causal):
     q64 = jax.ShapeDtypeStruct((2, 1024, 4, 64), BF16)
     jaxpr64 = str(jax.make_jaxpr(f)(q64))
     assert jaxpr64.count("dot_general") == 3 * 2
+    short = jax.ShapeDtypeStruct((2, 64, 4, 128), BF16)
+    op = _triton_op(dict(block_q=128, block_k=64, row_parts=2), {})
+    jaxpr_short = str(jax.make_jaxpr(lambda q: op(q, q, q, is_causal=causal))(short))
+    assert jaxpr_short.count("dot_general") == 3 * 2
+  space = triton_attn.search_space(4096, 4096, 128, 2)
+  assert {c.row_parts for c in space if c.block_q == 128} == {1, 2}
+  assert {c.row_parts for c in space if c.block_q == 64} == {1}
+  with pytest.raises(pydantic.ValidationError):
+    triton_attn.TritonAttentionConfig(row_parts=3)
 
 
 def test_triton_cross_compile_dispatch():
@@ -801,16 +816,21 @@ def test_mosaic_heavy_first_band_rule():
   band = mosaic_attn.HEAVY_FIRST_BAND
   rule = lambda sp, groups, blocks: triton_attn.heavy_first_band(
       sp, groups, blocks, band, mosaic_attn.HEAVY_FIRST_MAX_WAVES)
-  few = mosaic_attn.HEAVY_FIRST_MAX_WAVES * triton_attn.SMS // 32
-  assert rule(spec(is_causal=True), 32, few) == band
-  assert rule(spec(is_causal=True), 33, few) == few  # many CTAs
-  assert rule(spec(), 32, few) == few  # equal CTAs: no tail
-  assert rule(spec(local_window_size=(4, 2)), 32, few) == band
-  # Few heads: a wave holds >= band CTAs of each in any order.
-  heads = triton_attn.SMS // band
-  assert rule(spec(is_causal=True), heads, 64) == 1
-  assert rule(spec(is_causal=True), heads + 1, 64) == band
-  assert rule(spec(is_causal=True), heads + 1, 3) == 3
+  few = mosaic_attn.HEAVY_FIRST_MAX_WAVES * triton_attn.SMS // 64
+  assert rule(spec(is_causal=True), 64, few) == band
+  assert rule(spec(is_causal=True), 65, few) == few  # many CTAs
+  assert rule(spec(), 64, few) == few  # equal CTAs: no tail
+  assert rule(spec(local_window_size=(4, 2)), 64, few) == band
+  # Few heads: a wave holds >= min(band, BAND_ONE_PER_HEAD) CTAs of each in
+  # any order (33 heads at bands of 8 or 4, 66 at bands of 2).
+  for b in (band, 4, 2):
+    heads = triton_attn.SMS // min(b, triton_attn.BAND_ONE_PER_HEAD)
+    rule_b = lambda groups, blocks: triton_attn.heavy_first_band(
+        spec(is_causal=True), groups, blocks, b, mosaic_attn.HEAVY_FIRST_MAX_WAVES)
+    assert rule_b(heads, 64) == 1
+    assert rule_b(heads + 1, 64) == b
+    assert rule_b(heads + 1, 3) == min(b, 3)
+  assert triton_attn.SMS // min(band, triton_attn.BAND_ONE_PER_HEAD) == 33
 
 
 @pytest.mark.parametrize("name", sorted(MOSAIC_LOWER_CASES))

@@ -593,6 +593,37 @@ def test_triton_backward_preference():
   assert vjp.preferred(bind((64, 10000), F32))
   assert vjp.preferred(bind((4, 64, 32), BF16, axis=1))
   assert vjp.preferred(bind((4, 16384, 32), F32, axis=1))
+  # Above MAX_FEATURES (H200 2026-12-05): every forward and the column
+  # backward, not the rows' split backward (XLA's VJP is faster there).
+  fwd = triton_ln.TritonLayerNorm()
+  for shape, axis in (((64, 16385), -1), ((8, 65536), -1), ((4, 32768, 64), 1)):
+    assert fwd.preferred(bind(shape, BF16, axis))
+  assert not vjp.preferred(bind((64, 16385), BF16))
+  assert not vjp.preferred(bind((8, 65536), F32))
+  assert not vjp.preferred(bind((4, 65536, 1), BF16, axis=1))  # rows, too
+  assert vjp.preferred(bind((4, 32768, 64), BF16, axis=1))
+
+
+@pytest.mark.parametrize("shape, axis, vjp_kernels", [
+    ((64, 20000), -1, 0), ((4, 20000, 64), 1, 2), ((64, 4096), -1, 1)])
+def test_triton_wide_dispatch_lowering(shape, axis, vjp_kernels):
+  """implementation=None for an H200: the "triton" forward at any width;
+  above MAX_FEATURES rows take XLA's VJP (no backward kernel), [pre, F,
+  post] views the two column kernels."""
+  x = jax.ShapeDtypeStruct(shape, BF16)
+  p = jax.ShapeDtypeStruct((shape[axis],), F32)
+  f = lambda *a: tokamax.layer_norm(*a, axis=axis)
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)), argnums=(0, 1, 2))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    fwd_text = _lower_text(f, x, p, p)
+    grad_text = _lower_text(grad, x, p, p)
+  if shape[-1] == 4096:  # "mosaic" leads at 2048..8192 features
+    assert TRITON_TARGET not in fwd_text
+    assert grad_text.count(TRITON_TARGET) == vjp_kernels
+    return
+  fwd_kernels = fwd_text.count(TRITON_TARGET)
+  assert fwd_kernels >= 1
+  assert grad_text.count(TRITON_TARGET) == fwd_kernels + vjp_kernels
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -793,8 +824,9 @@ def test_triton_loop_stages_default_prefetch():
 
 def test_triton_wide_rows_configs_and_preference():
   """Above MAX_FEATURES: chunked heuristic configs and search spaces
-  (forward and backward), and `None` prefers XLA (the chunked kernels are
-  not timed against it yet) while a named call runs "triton"."""
+  (forward and backward); `None` takes the "triton" forward, and for rows
+  XLA's VJP (faster than the split backward on the H200), for a middle
+  axis the column backward."""
   wide = triton_ln.MAX_FEATURES + 2048
   for backward in (False, True):
     h = triton_ln.heuristic_config(4096, wide, 2, backward=backward)
@@ -807,18 +839,13 @@ def test_triton_wide_rows_configs_and_preference():
   s = jax.ShapeDtypeStruct((wide,), F32)
   with tokamax.config.cross_compile("NVIDIA H200"):
     ba = dispatch.select("layer_norm", None, (x, s), {})
-    assert ba.op.implementation == "xla"
+    assert (ba.op.implementation, ba.op.vjp.implementation) == ("triton", "xla")
     ba = dispatch.select("layer_norm", "triton", (x, s), {})
-    assert not ba.op.preferred(ba) and not ba.op.vjp.preferred(ba)
-    narrow = dispatch.select("layer_norm", None, (jax.ShapeDtypeStruct((64, 16384), BF16),
-                                                  jax.ShapeDtypeStruct((16384,), F32)), {})
-    assert narrow.op.implementation == "triton"
-    # The same for a middle axis that wide (the column kernels).
+    assert ba.op.preferred(ba) and not ba.op.vjp.preferred(ba)
+    assert ba.op.vjp.implementation == "triton"  # named: no fallback
     xm = jax.ShapeDtypeStruct((2, wide, 8), BF16)
     ba = dispatch.select("layer_norm", None, (xm, s), dict(axis=1))
-    assert ba.op.implementation == "xla"
-    ba = dispatch.select("layer_norm", "triton", (xm, s), dict(axis=1))
-    assert not ba.op.preferred(ba) and not ba.op.vjp.preferred(ba)
+    assert (ba.op.implementation, ba.op.vjp.implementation) == ("triton", "triton")
 
 
 def test_triton_cross_compile_dispatch():
@@ -884,8 +911,8 @@ def test_triton_gpu_wide_rows(shape, axis, dtype):
   backward) and middle or leading axes (the column kernels)."""
   x, scale, offset, ct_key = make_inputs(shape, axis, True, True, dtype, shape[1] % 97)
   ct = jax.random.normal(ct_key, shape, F32)
-  f = lambda *a: tokamax.layer_norm(*a, axis=axis, implementation="triton")
-  check_against_f64(f, (x, scale, offset), ct)
+  f = lambda *a, axis: tokamax.layer_norm(*a, axis=axis, implementation="triton")
+  check_against_f64(f, (x, scale, offset), ct, axis=axis)
 
 
 @pytest.mark.parametrize("chunk", [512, 1024, 2048])

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -58,13 +59,18 @@ _M_INIT = -1e30
 # start the heaviest programs of every (batch, head) first, in bands of
 # HEAVY_FIRST_BAND per head (`grid_position`; the "mosaic" module's note at
 # its HEAVY_FIRST_BAND has the model and the H200 numbers). None: never.
-HEAVY_FIRST_BAND = 8
+# 4 rather than the "mosaic" kernels' 8: H200 forward+backward, 2026-12-05,
+# GQA B4 T4096 N32 K8 H128 causal 4.810 vs 5.027 ms (every kernel faster),
+# B8 T4096 N16 H128 causal 4.959 vs 4.968.
+HEAVY_FIRST_BAND = 4
 HEAVY_FIRST_MAX_WAVES = 36
+# Band 1 when a wave holds at least min(band, this) programs of every
+# (batch, head) in any order (`heavy_first_band`).
+BAND_ONE_PER_HEAD = 4
 SMS = 132  # H100/H200 SXM
-# Forward: row parts per program (1, or 2 halves whose q.k^T products and
-# softmaxes interleave, see _fwd_kernel); halves of at least 64 rows.
-FWD_ROW_PARTS = 1
-_MIN_PART_ROWS = 64  # a warpgroup's wgmma tile
+# Forward row parts (config.row_parts = 2): halves of at least this many
+# rows, a warpgroup's wgmma tile; smaller (clipped) blocks run one part.
+_MIN_PART_ROWS = 64
 
 
 def heavy_first_band(sp: "Spec", groups: int, blocks: int,
@@ -73,13 +79,17 @@ def heavy_first_band(sp: "Spec", groups: int, blocks: int,
   `groups` (batch, head) pairs of `blocks` programs: `band` for causal or
   right-window grids of at most `max_waves` programs per SM (an unequal
   grid whose tail matters), else `blocks` ((batch, head) order). With at
-  most SMS / band heads, 1: a wave then holds >= band programs of every
-  head in any order, so the strict heaviest-first order loses no L2 sharing
-  (list-scheduling model, B1 T4096 N16 causal: tail 1.7 % against 8.7 %
-  with bands of 8; not yet timed on the GPU)."""
+  most SMS / min(band, BAND_ONE_PER_HEAD) heads, 1: a wave then holds that
+  many programs of every head in any order, so the strict heaviest-first
+  order keeps the L2 sharing (list-scheduling model, B1 T4096 N16 causal:
+  tail 1.7 % against 8.7 % with bands of 8). H200, 2026-12-05, against
+  (batch, head) order, forward+backward: B1 T4096 N16 H128 causal "mosaic"
+  0.488 vs 0.602 ms, "triton" 0.633 vs 0.793; B1 T8192 N8 0.891 vs 1.080,
+  1.169 vs 1.446; the GQA dk/dv grid (32 kv heads) 1.659 vs 1.717 ms
+  ("mosaic") against bands of 8."""
   if sp.right is None or band is None or groups * blocks > max_waves * SMS:
     return blocks
-  if groups * band <= SMS:
+  if groups * min(band, BAND_ONE_PER_HEAD) <= SMS:
     return 1
   return min(band, blocks)
 
@@ -108,12 +118,16 @@ def _pow2_field(v: int, name: str, lo: int = 16) -> int:
 
 @pydantic.dataclasses.dataclass(frozen=True)
 class TritonAttentionConfig:
-  """Forward: query rows and key columns per block, warps, pipeline stages."""
+  """Forward: query rows and key columns per block, warps, pipeline stages,
+  and row_parts: 1, or 2 halves of block_q rows per program whose q.k^T
+  products and softmaxes interleave (`_fwd_kernel`; a block clipped below
+  2 x 64 rows runs as one part)."""
 
   block_q: pydantic.PositiveInt = 128
   block_k: pydantic.PositiveInt = 64
   num_warps: pydantic.PositiveInt = 4
   num_stages: pydantic.PositiveInt = 2
+  row_parts: Literal[1, 2] = 1
 
   @pydantic.field_validator("block_q", "block_k")
   @classmethod
@@ -536,8 +550,9 @@ def attention_forward(args, config: TritonAttentionConfig, return_residuals: boo
   out_shape = [jax.ShapeDtypeStruct((bsz, t, n, sp.hv), q.dtype)]
   if return_residuals:
     out_shape.append(jax.ShapeDtypeStruct((bsz, n, t), jnp.float32))
+  parts = config.row_parts if bq >= _MIN_PART_ROWS * config.row_parts else 1
   kernel = functools.partial(_fwd_kernel, sp=sp, bq=bq, bk=bk, save_lse=return_residuals,
-                             parts=FWD_ROW_PARTS if bq >= _MIN_PART_ROWS * FWD_ROW_PARTS else 1)
+                             parts=parts)
   outs = pallas_triton.pallas_call(
       kernel, out_shape=out_shape, grid=(bsz * n * pl.cdiv(t, bq),),
       num_warps=config.num_warps, num_stages=config.num_stages,
@@ -720,14 +735,18 @@ def heuristic_config(t: int, s: int, h: int, itemsize: int) -> TritonAttentionCo
   if hp <= 64:
     c = TritonAttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3)
   elif hp <= 128:
-    c = TritonAttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2)
+    # Row halves: H200 forward 2.264 -> 2.211 ms (B8 T4096 N16 H128),
+    # causal 1.206 -> 1.184, GQA 1.150 -> 1.135 (docs/benchmarks.md,
+    # 2026-12-05 03:00).
+    c = TritonAttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2,
+                              row_parts=2)
   else:
     c = TritonAttentionConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
   if itemsize == 4:  # f32 tiles are twice as large.
     c = dataclasses.replace(c, block_q=min(c.block_q, 64), block_k=min(c.block_k, 32))
-  return dataclasses.replace(
-      c, block_q=_clip_block(c.block_q, t), block_k=_clip_block(c.block_k, s)
-  )
+  bq = _clip_block(c.block_q, t)
+  return dataclasses.replace(c, block_q=bq, block_k=_clip_block(c.block_k, s),
+                             row_parts=c.row_parts if bq >= 2 * _MIN_PART_ROWS else 1)
 
 
 def search_space(t: int, s: int, h: int, itemsize: int) -> set[TritonAttentionConfig]:
@@ -743,8 +762,9 @@ def search_space(t: int, s: int, h: int, itemsize: int) -> set[TritonAttentionCo
     # [bq, bk]: above ~192 they spill (255 registers per thread).
     if bq * (hp + bk) // (32 * warps) > 192:
       continue
-    configs.add(TritonAttentionConfig(
-        block_q=bq, block_k=bk, num_warps=warps, num_stages=stages))
+    for parts in (1, 2) if bq >= 2 * _MIN_PART_ROWS else (1,):
+      configs.add(TritonAttentionConfig(
+          block_q=bq, block_k=bk, num_warps=warps, num_stages=stages, row_parts=parts))
   return configs
 
 

@@ -76,10 +76,11 @@ _i32 = pallas_triton.i32
 # Widest rows a program holds whole in registers. Wider [R, F] rows run the
 # chunked kernels (config.feature_chunk: the chunked forward and the split
 # backward), wider [pre, F, post] views the column kernels (forward and
-# backward); neither has a width limit. `implementation=None` does not pick
-# "triton" above MAX_FEATURES (not yet timed against XLA).
+# backward); neither has a width limit. Above MAX_FEATURES `implementation=
+# None` takes XLA's VJP for rows (`preferred`).
 MAX_FEATURES = 16384
-# Heuristic configs above MAX_FEATURES (not measured; see MAX_FEATURES):
+# Heuristic configs above MAX_FEATURES (not swept; timed on the H200 against
+# XLA, see `preferred`):
 # forward one row per program of 4 warps, 4 programs per SM, 2048-feature
 # chunks; backward as at 16384 features.
 _WIDE_FORWARD = (1, 4, 4, 3, 2048)  # block_rows, warps, programs_per_sm, loop_stages, chunk
@@ -1230,9 +1231,14 @@ class _TritonLayerNormMixin:
     return heuristic_config(*_rows_features(ba), backward=self.is_vjp)
 
   def preferred(self, ba):
-    # The chunked kernels of rows wider than MAX_FEATURES are not yet timed
-    # against XLA: a named call runs them, `None` keeps XLA.
-    return _rows_features(ba)[1] <= MAX_FEATURES
+    # Above MAX_FEATURES (H200, 2026-12-05, bf16, docs/benchmarks.md): the
+    # forwards beat XLA (4096x18432 0.118 vs 0.210 ms, 1024x65536 0.117 vs
+    # 0.160, 16x32768x64 axis 1 0.065 vs 0.090), and so does the column
+    # backward (forward+VJP 0.169 vs 0.199 ms), but the rows' split backward
+    # does not (VJP alone ~0.27 vs 0.21 ms at 18432 features, 0.23 vs 0.15
+    # at 65536): `None` pairs the "triton" forward with XLA's VJP there.
+    _, features, _, post = _rows_features(ba)
+    return features <= MAX_FEATURES or not self.is_vjp or post > 1
 
   def _get_autotuning_configs(self, ba):
     return search_space(*_rows_features(ba), backward=self.is_vjp)
