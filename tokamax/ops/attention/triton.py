@@ -737,7 +737,7 @@ def heuristic_config(t: int, s: int, h: int, itemsize: int) -> TritonAttentionCo
   elif hp <= 128:
     # Row halves: H200 forward 2.264 -> 2.211 ms (B8 T4096 N16 H128),
     # causal 1.206 -> 1.184, GQA 1.150 -> 1.135 (docs/benchmarks.md,
-    # 2026-12-05 03:00).
+    # 2026-12-05 02:50).
     c = TritonAttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2,
                               row_parts=2)
   else:
