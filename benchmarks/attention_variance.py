@@ -47,6 +47,9 @@ SHAPES = {  # label: (B, T, N, K, H, causal)
     # Few (batch, head) pairs: the band-1 rule of triton.heavy_first_band.
     "small causal B1 T4096 N16 H128": (1, 4096, 16, 16, 128, True),
     "small causal B1 T8192 N8 H128": (1, 8192, 8, 8, 128, True),
+    # 17-33 pairs: band 1 since 2026-12-05 (BAND_ONE_PER_HEAD 4), 8 before.
+    "mid causal B1 T16384 N32 H128": (1, 16384, 32, 32, 128, True),
+    "mid causal B2 T8192 N12 H128": (2, 8192, 12, 12, 128, True),
 }
 CALLS = 20
 _SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"

@@ -56,7 +56,7 @@ def main():
     cost = lambda r: heads * 2 * (blocks - r) + 4
     tail = lambda band: makespan_over_ideal([cost(r) for r in ranks(groups, blocks, band)]) - 1
     shipped = triton.heavy_first_band(causal, groups, blocks, triton.HEAVY_FIRST_BAND,
-                                      triton.HEAVY_FIRST_MAX_WAVES)
+                                      triton.HEAVY_FIRST_MAX_WAVES, triton.BAND_ONE_PER_HEAD)
     cells = [f"{100 * tail(b):.1f} %" for b in (blocks, 1, min(4, blocks), min(8, blocks))]
     print(f"| {label} | {groups * blocks / triton.SMS:.1f} | {' | '.join(cells)} | "
           f"{100 * tail(shipped):.1f} % ({shipped}) |")

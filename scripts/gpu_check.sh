@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent GPU machine: install the carried wheels (.whl),
 # run the GPU tests, the demo and the benchmarks; results go to $OUT.
-# Usage (device tool, carry [".whl"]): [PART=1|2|3] [STEP="1 2 3"] bash scripts/gpu_check.sh [pending|tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
+# Usage (device tool, carry [".whl"]): [PART=1|2|3] [STEP="1 2 3 4"] bash scripts/gpu_check.sh [pending|tests|bench|seed|ln|ln_mosaic|attn|attn_bench|mosaic|mosaic_bwd|ncu|trace|mosaic_bias|ln_loop|kernels|gpu_tests|ship_mosaic|ln_alloc|ln_params|ln_vjp|flag_ab|final|ship|upstream|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/tokamax_out}
@@ -46,7 +46,8 @@ if [[ $what == pending ]]; then
   # 4, the band-1 rule up to 33 heads in both kernels); 2 the layer_norm
   # wide GPU tests, then `implementation=None` ("auto": the "triton"
   # forward, XLA's VJP for rows) against XLA above 16384 features; 3 the
-  # causal H128 and GQA forward+backward at the defaults against cuDNN.
+  # causal H128 and GQA forward+backward at the defaults against cuDNN;
+  # 4 "mosaic" at 17-33 heads with the band-1 rule against bands of 8.
   pt() { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 "$1" python3 -m pytest -q \
     -n ${JOBS:-14} -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}" 2>&1 \
     | grep -v "PytestBenchmarkWarning\|warner(" | tail -25; }
@@ -64,6 +65,11 @@ if [[ $what == pending ]]; then
          PAUSE_S=1 timeout 150 python3 benchmarks/attention_variance.py "$OUT/${1//./_}" 4 \
            "GQA,H128 causal" "$1" "$2" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -6
        done ;;
+    # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
+    # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
+    4) mkdir -p "$OUT/band_one"
+       PAUSE_S=1 timeout 200 python3 benchmarks/attention_variance.py "$OUT/band_one" 4 mid \
+         BAND_ONE_PER_HEAD 4,8 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -12 ;;
   esac
   done
   exit

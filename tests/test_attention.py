@@ -813,24 +813,23 @@ def test_mosaic_heavy_first_band_rule():
         query=q, key=q, value=q, bias=None, mask=None, query_seq_lengths=None,
         key_value_seq_lengths=None, is_causal=False, local_window_size=None,
         logits_soft_cap=None, scale=0.125, precision=None) | kwargs)
-  band = mosaic_attn.HEAVY_FIRST_BAND
+  band, per_head = mosaic_attn.HEAVY_FIRST_BAND, mosaic_attn.BAND_ONE_PER_HEAD
   rule = lambda sp, groups, blocks: triton_attn.heavy_first_band(
-      sp, groups, blocks, band, mosaic_attn.HEAVY_FIRST_MAX_WAVES)
+      sp, groups, blocks, band, mosaic_attn.HEAVY_FIRST_MAX_WAVES, per_head)
   few = mosaic_attn.HEAVY_FIRST_MAX_WAVES * triton_attn.SMS // 64
   assert rule(spec(is_causal=True), 64, few) == band
   assert rule(spec(is_causal=True), 65, few) == few  # many CTAs
   assert rule(spec(), 64, few) == few  # equal CTAs: no tail
   assert rule(spec(local_window_size=(4, 2)), 64, few) == band
-  # Few heads: a wave holds >= min(band, BAND_ONE_PER_HEAD) CTAs of each in
-  # any order (33 heads at bands of 8 or 4, 66 at bands of 2).
-  for b in (band, 4, 2):
-    heads = triton_attn.SMS // min(b, triton_attn.BAND_ONE_PER_HEAD)
+  # Few heads: a wave holds >= min(band, per_head) CTAs of each in any
+  # order (33 heads at bands of 8 or 4 with per_head 4, 66 at bands of 2,
+  # 16 at bands of 8 with per_head 8).
+  for b, ph, heads in ((band, per_head, 33), (4, 4, 33), (2, 4, 66), (8, 8, 16)):
     rule_b = lambda groups, blocks: triton_attn.heavy_first_band(
-        spec(is_causal=True), groups, blocks, b, mosaic_attn.HEAVY_FIRST_MAX_WAVES)
+        spec(is_causal=True), groups, blocks, b, mosaic_attn.HEAVY_FIRST_MAX_WAVES, ph)
     assert rule_b(heads, 64) == 1
     assert rule_b(heads + 1, 64) == b
     assert rule_b(heads + 1, 3) == min(b, 3)
-  assert triton_attn.SMS // min(band, triton_attn.BAND_ONE_PER_HEAD) == 33
 
 
 @pytest.mark.parametrize("name", sorted(MOSAIC_LOWER_CASES))

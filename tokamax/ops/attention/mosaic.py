@@ -140,6 +140,12 @@ HALF_LAST_BLOCK = True
 # band-1 rule of `triton.heavy_first_band` at up to 33 heads.
 HEAVY_FIRST_BAND = 8
 HEAVY_FIRST_MAX_WAVES = 36
+# Band 1 when a wave holds at least min(HEAVY_FIRST_BAND, this) CTAs of every
+# (batch, head): 4 (up to 33 heads), from the GQA dk/dv grid above; it was
+# 8 (16 heads) before 2026-12-05. The 17-33-head grids of the forward and
+# dq kernels, where 4 CTAs of a head per wave share its k/v in L2 instead
+# of 8, are not yet timed (benchmarks/attention_variance.py "mid" shapes).
+BAND_ONE_PER_HEAD = 4
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -232,7 +238,7 @@ def _cta_coords(sp, bsz: int, heads: int, blocks: int):
   """(batch, head, rank) of this CTA on a flat grid of bsz * heads * blocks
   (`triton.grid_position`: rank bands, rank 0 the heaviest block)."""
   band = triton.heavy_first_band(sp, bsz * heads, blocks, HEAVY_FIRST_BAND,
-                                 HEAVY_FIRST_MAX_WAVES)
+                                 HEAVY_FIRST_MAX_WAVES, BAND_ONE_PER_HEAD)
   return triton.grid_position(lax.axis_index("cta"), bsz, heads, blocks, band)
 
 

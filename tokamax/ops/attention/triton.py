@@ -64,8 +64,8 @@ _M_INIT = -1e30
 # B8 T4096 N16 H128 causal 4.959 vs 4.968.
 HEAVY_FIRST_BAND = 4
 HEAVY_FIRST_MAX_WAVES = 36
-# Band 1 when a wave holds at least min(band, this) programs of every
-# (batch, head) in any order (`heavy_first_band`).
+# Band 1 when a wave holds at least min(HEAVY_FIRST_BAND, this) programs of
+# every (batch, head) in any order (`heavy_first_band`).
 BAND_ONE_PER_HEAD = 4
 SMS = 132  # H100/H200 SXM
 # Forward row parts (config.row_parts = 2): halves of at least this many
@@ -74,12 +74,12 @@ _MIN_PART_ROWS = 64
 
 
 def heavy_first_band(sp: "Spec", groups: int, blocks: int,
-                     band: int | None, max_waves: int) -> int:
+                     band: int | None, max_waves: int, per_head: int) -> int:
   """Programs per (batch, head) in a band of `grid_position` for a grid of
   `groups` (batch, head) pairs of `blocks` programs: `band` for causal or
   right-window grids of at most `max_waves` programs per SM (an unequal
   grid whose tail matters), else `blocks` ((batch, head) order). With at
-  most SMS / min(band, BAND_ONE_PER_HEAD) heads, 1: a wave then holds that
+  most SMS / min(band, per_head) heads, 1: a wave then holds that
   many programs of every head in any order, so the strict heaviest-first
   order keeps the L2 sharing (list-scheduling model, B1 T4096 N16 causal:
   tail 1.7 % against 8.7 % with bands of 8). H200, 2026-12-05, against
@@ -89,7 +89,7 @@ def heavy_first_band(sp: "Spec", groups: int, blocks: int,
   ("mosaic") against bands of 8."""
   if sp.right is None or band is None or groups * blocks > max_waves * SMS:
     return blocks
-  if groups * min(band, BAND_ONE_PER_HEAD) <= SMS:
+  if groups * min(band, per_head) <= SMS:
     return 1
   return min(band, blocks)
 
@@ -515,7 +515,7 @@ def _flat_grid(sp: Spec, bsz: int, heads: int, blocks: int):
   """(batch, head, rank) of this program on a flat grid of
   bsz * heads * blocks (`grid_position`)."""
   band = heavy_first_band(sp, bsz * heads, blocks, HEAVY_FIRST_BAND,
-                          HEAVY_FIRST_MAX_WAVES)
+                          HEAVY_FIRST_MAX_WAVES, BAND_ONE_PER_HEAD)
   return grid_position(i32(pl.program_id(0)), bsz, heads, blocks, band)
 
 
