@@ -131,6 +131,7 @@ class AttentionTestBase:
   dtypes = (F32, BF16, F16)
   unsupported: frozenset[str] = frozenset()  # features that must raise
   unsupported_grad: frozenset[str] = frozenset()  # only the gradient raises
+  jvp_supported = False  # forward-mode autodiff runs (else: refused by name)
   seed = 0
 
   def attention(self, *args, **kwargs):
@@ -222,6 +223,49 @@ class AttentionTestBase:
           grads[name], ref_grads[name], reference.TOLERANCE[jnp.dtype(dtype)][1],
           name,
       )
+
+  def test_forward_mode(self):
+    """jax.jvp and a jvp of a grad (forward over reverse, as in jax.hessian)
+    against the f64 reference, with a bias, a mask and GQA. Implementations
+    whose forward JAX can differentiate run it; the others (custom VJPs over
+    kernels) refuse by name, and None falls back to one that can."""
+    dtype = F32 if F32 in self.dtypes else self.dtypes[0]
+    c = Case(batch=(2,), t=24, s=40, n=4, kh=2, bias=(2, 4, 24, 40),
+             mask=(2, 1, 24, 40), kwargs=(("is_causal", True),))
+    args, kwargs, key = make_inputs(c, dtype, self.seed + 7)
+    diff, rest = _split(args)
+    keys = jax.random.split(key, len(diff))
+    tangents = {n: jax.random.normal(k, a.shape, F32).astype(a.dtype)
+                for (n, a), k in zip(sorted(diff.items()), keys)}
+
+    def run(attention, d, t):
+      f = lambda e: attention(**e, **rest, **kwargs)
+      _, t_out = jax.jvp(f, (d,), (t,))
+      grad = jax.grad(lambda e: jnp.sum(jnp.sin(f(e).astype(d["query"].dtype))))
+      _, hvp = jax.jvp(grad, (d,), (t,))
+      return t_out, hvp
+
+    t_ref, hvp_ref = run(reference.attention, jax.tree.map(reference.f64, diff),
+                         jax.tree.map(reference.f64, tangents))
+    default = functools.partial(tokamax.dot_product_attention, implementation=None)
+    candidates = [default]
+    if self.jvp_supported:
+      candidates.insert(0, self.attention)
+    else:
+      try:
+        self.attention(**args, **kwargs)
+      except NotImplementedError:
+        pass  # refused here anyway (e.g. "cudnn" on a CPU)
+      else:
+        with pytest.raises(NotImplementedError,
+                           match=rf"'{self.implementation}'.*forward-mode"):
+          run(self.attention, diff, tangents)
+    _, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
+    for attention in candidates:
+      t_out, hvp = run(attention, diff, tangents)
+      reference.assert_close(t_out, t_ref, grad_tol, "output tangent")
+      for name in diff:
+        reference.assert_close(hvp[name], hvp_ref[name], 2 * grad_tol, f"hvp {name}")
 
   def test_bias_without_its_gradient(self):
     """Gradients of q, k, v under a bias that is not differentiated: right,
@@ -324,6 +368,7 @@ class AttentionTestBase:
 class TestXla(AttentionTestBase):
   implementation = "xla"
   dtypes = (F32, BF16, F16, F64)
+  jvp_supported = True
 
   @hypothesis.settings(max_examples=8, deadline=None)
   @hypothesis.given(
@@ -340,6 +385,7 @@ class TestXla(AttentionTestBase):
 class TestXlaChunked(AttentionTestBase):
   implementation = "xla_chunked"
   dtypes = (F32, BF16, F16, F64)
+  jvp_supported = True
 
 
 class TestXlaChunkedSmallChunks(AttentionTestBase):
@@ -350,6 +396,7 @@ class TestXlaChunkedSmallChunks(AttentionTestBase):
       config=xla_chunked.ChunkedAttentionConfig(q_chunk_size=16, kv_chunk_size=24)
   )
   dtypes = (F32, BF16, F16, F64)
+  jvp_supported = True
 
   @hypothesis.settings(max_examples=8, deadline=None)
   @hypothesis.given(

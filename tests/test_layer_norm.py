@@ -74,6 +74,7 @@ class LayerNormTestBase:
   dtypes = (F32, BF16, F16)
   # CASES names the implementation refuses (NotImplementedError expected).
   unsupported_cases = frozenset()
+  jvp_supported = False  # forward-mode autodiff runs (else: refused by name)
   seed = 0
 
   def layer_norm(self, *args, **kwargs):
@@ -152,6 +153,45 @@ class LayerNormTestBase:
     )(reference.f64(x))
     reference.assert_close(g, g_ref, reference.TOLERANCE[jnp.dtype(x.dtype)][1])
 
+  def test_forward_mode(self):
+    """jax.jvp in every argument and a jvp of a grad (forward over reverse,
+    as in jax.hessian) against the f64 reference. Implementations whose
+    forward JAX can differentiate run it; the kernels (custom VJPs) refuse by
+    name, and None falls back to one that can."""
+    dtype = F32 if F32 in self.dtypes else self.dtypes[0]
+    x, scale, offset, key = make_inputs((5, 3, 48), -1, True, True, dtype, 8)
+    primals = (x, scale, offset)
+    tangents = tuple(jax.random.normal(k, a.shape, F32).astype(a.dtype)
+                     for k, a in zip(jax.random.split(key, 3), primals))
+
+    def run(layer_norm, p, t):
+      _, t_out = jax.jvp(layer_norm, p, t)
+      grad = jax.grad(lambda *a: jnp.sum(jnp.sin(layer_norm(*a).astype(p[0].dtype))),
+                      argnums=(0, 1, 2))
+      _, hvp = jax.jvp(grad, p, t)
+      return t_out, hvp
+
+    t_ref, hvp_ref = run(reference.layer_norm, tuple(map(reference.f64, primals)),
+                         tuple(map(reference.f64, tangents)))
+    candidates = [functools.partial(tokamax.layer_norm, implementation=None)]
+    if self.jvp_supported:
+      candidates.insert(0, self.layer_norm)
+    else:
+      try:
+        self.layer_norm(*primals)
+      except NotImplementedError:
+        pass  # refused here anyway
+      else:
+        with pytest.raises(NotImplementedError,
+                           match=rf"'{self.implementation}'.*forward-mode"):
+          run(self.layer_norm, primals, tangents)
+    _, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
+    for layer_norm in candidates:
+      t_out, hvp = run(layer_norm, primals, tangents)
+      reference.assert_close(t_out, t_ref, grad_tol, "output tangent")
+      for name, h, h_ref in zip(("x", "scale", "offset"), hvp, hvp_ref):
+        reference.assert_close(h, h_ref, 2 * grad_tol, f"hvp {name}")
+
   @hypothesis.settings(max_examples=8, deadline=None)
   @hypothesis.given(
       rows=st.integers(1, 9), features=st.integers(1, 70),
@@ -187,6 +227,7 @@ class LayerNormTestBase:
 class TestXla(LayerNormTestBase):
   implementation = "xla"
   dtypes = (F32, BF16, F16, F64)
+  jvp_supported = True
 
 
 def test_scale_offset_is_ignored_without_scale():

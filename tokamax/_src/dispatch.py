@@ -90,6 +90,7 @@ def select(
     ba = dataclasses.replace(ref_ba, op=op)
     try:
       op.check_supported(ba)
+      op.check_forward_mode(ba)
     except NotImplementedError as e:
       errors.append(e)
       continue

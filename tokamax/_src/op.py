@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import ad
 from jax._src.interpreters import batching
 
 from tokamax._src import platform
@@ -179,6 +180,29 @@ def vmap_levels(arguments: Mapping[str, Any]) -> tuple:
   return tuple(levels)
 
 
+def forward_mode(arguments: Mapping[str, Any]) -> bool:
+  """Whether the call is traced under forward-mode autodiff at some level:
+  jax.jvp and jax.jacfwd, also around jax.vmap or reverse mode (jax.hessian,
+  a jvp of a grad). JAX cannot push tangents through a custom VJP, nor
+  through our kernels. Read off the arguments' tracers (JAX internals; jax is
+  pinned): through vmap's and linearize's tracers down to a jvp's. A jvp
+  applied outside a jit or checkpoint around the call is not seen here (JAX
+  then raises its own error), nor is jax.linearize (its tracers are
+  reverse mode's).
+  """
+  for x in jax.tree.leaves(dict(arguments)):
+    while True:
+      if isinstance(x, ad.JVPTracer):
+        return True
+      if isinstance(x, batching.BatchTracer):
+        x = x.val
+      elif isinstance(x, ad.LinearizeTracer):
+        x = x.primal
+      else:
+        break
+  return False
+
+
 # The leading arguments of every VJP op (see Op.call_bound).
 VJP_INPUTS = ("residuals", "out", "dout")
 
@@ -231,6 +255,11 @@ class Op(abc.ABC):
   # Whether a call with no cached config may take the nearest cached shape's
   # (autotuning.lookup); False where the heuristic beats borrowed configs.
   borrows_nearest_config: ClassVar[bool] = True
+  # Whether JAX can differentiate `_fwd` itself (jax.numpy and lax only, no
+  # kernels or custom VJPs inside). Forward-mode autodiff cannot pass the
+  # custom VJP that wires `vjp`, so under jax.jvp/jax.jacfwd such an op runs
+  # `_fwd` plainly and an op with a `vjp` but without this refuses the call.
+  differentiable_forward: ClassVar[bool] = False
 
   def __post_init__(self):
     if self.config is not None and not isinstance(self.config, self.config_cls):
@@ -297,9 +326,21 @@ class Op(abc.ABC):
     arguments, restore = self._bind(*args, **kwargs)
     return BoundArguments(op=self, arguments=arguments, restore=restore)
 
+  def check_forward_mode(self, ba: BoundArguments) -> None:
+    """Raises NotImplementedError under forward-mode autodiff if this op's
+    gradient is a custom VJP and JAX cannot differentiate its forward."""
+    if (self.vjp is not None and not self.differentiable_forward
+        and forward_mode(ba.arrays)):
+      raise self.unsupported(
+          "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.hessian) cannot"
+          " pass its custom VJP and kernels; implementation 'xla' supports it"
+          " (None falls back to it)."
+      )
+
   def __call__(self, *args, **kwargs):
     ba = self.bind(*args, **kwargs)
     self.check_supported(ba)
+    self.check_forward_mode(ba)
     return ba.restore(self.call_bound(ba))
 
   def call_bound(self, ba: BoundArguments, *, return_residuals: bool = False):
@@ -308,7 +349,8 @@ class Op(abc.ABC):
     for observer in CALL_OBSERVERS:
       observer(ba, config)
     static = ba.static
-    if self.vjp is None or return_residuals:
+    if (self.vjp is None or return_residuals
+        or (self.differentiable_forward and forward_mode(ba.arrays))):
       out, residuals = self._fwd(
           **ba.arrays, **static, config=config,
           return_residuals=return_residuals,

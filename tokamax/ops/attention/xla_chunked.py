@@ -153,6 +153,7 @@ class ChunkedDotProductAttentionVjp(base.DotProductAttentionVjp):
 
   implementation = "xla_chunked"
   config_cls = ChunkedAttentionConfig
+  differentiable_forward = True  # jax.jvp differentiates the chunked loop
 
   def _get_heuristics_config(self, ba):
     return _heuristic(ba)
@@ -272,6 +273,7 @@ class ChunkedDotProductAttention(base.DotProductAttention):
 
   implementation = "xla_chunked"
   config_cls = ChunkedAttentionConfig
+  differentiable_forward = True  # jax.jvp differentiates the chunked loop
   vjp: op_lib.Op | None = dataclasses.field(
       default_factory=ChunkedDotProductAttentionVjp
   )

@@ -155,4 +155,5 @@ class LayerNormVjp(op_lib.Op):
 class XlaLayerNorm(LayerNorm):
   """The "xla" implementation: the reference with its explicit VJP."""
 
+  differentiable_forward = True  # jax.jvp differentiates the reference
   vjp: op_lib.Op | None = dataclasses.field(default_factory=LayerNormVjp)
