@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 # Relative L2 error allowed per input dtype (forward, gradient). bf16 has an
 # 8-bit mantissa (eps 7.8e-3), f16 11 bits (9.8e-4); rounding of inputs and of
@@ -97,3 +98,21 @@ def layer_norm(x, scale=None, offset=None, *, axis=-1, epsilon=1e-6,
   if offset is not None:
     y = y + f64(offset).reshape(shape)
   return y
+
+
+def forward_mode_candidates(named, default, jvp_supported: bool,
+                            implementation: str, plain_call, run):
+  """The calls a forward-mode test compares with f64: `named` (the tested
+  implementation) if it supports forward mode, and always `default`
+  (implementation=None, which falls back to one that does). Otherwise first
+  checks that `named`, where it runs `plain_call()` at all, refuses
+  `run(named)` (a jvp) by name."""
+  if jvp_supported:
+    return [named, default]
+  try:
+    plain_call()
+  except NotImplementedError:
+    return [default]  # refused here anyway (e.g. "cudnn" on a CPU)
+  with pytest.raises(NotImplementedError, match=rf"'{implementation}'.*forward-mode"):
+    run(named)
+  return [default]

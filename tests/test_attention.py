@@ -247,19 +247,12 @@ class AttentionTestBase:
 
     t_ref, hvp_ref = run(reference.attention, jax.tree.map(reference.f64, diff),
                          jax.tree.map(reference.f64, tangents))
-    default = functools.partial(tokamax.dot_product_attention, implementation=None)
-    candidates = [default]
-    if self.jvp_supported:
-      candidates.insert(0, self.attention)
-    else:
-      try:
-        self.attention(**args, **kwargs)
-      except NotImplementedError:
-        pass  # refused here anyway (e.g. "cudnn" on a CPU)
-      else:
-        with pytest.raises(NotImplementedError,
-                           match=rf"'{self.implementation}'.*forward-mode"):
-          run(self.attention, diff, tangents)
+    candidates = reference.forward_mode_candidates(
+        self.attention,
+        functools.partial(tokamax.dot_product_attention, implementation=None),
+        self.jvp_supported, self.implementation,
+        lambda: self.attention(**args, **kwargs),
+        lambda attention: run(attention, diff, tangents))
     _, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
     for attention in candidates:
       t_out, hvp = run(attention, diff, tangents)

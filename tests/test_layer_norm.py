@@ -173,18 +173,10 @@ class LayerNormTestBase:
 
     t_ref, hvp_ref = run(reference.layer_norm, tuple(map(reference.f64, primals)),
                          tuple(map(reference.f64, tangents)))
-    candidates = [functools.partial(tokamax.layer_norm, implementation=None)]
-    if self.jvp_supported:
-      candidates.insert(0, self.layer_norm)
-    else:
-      try:
-        self.layer_norm(*primals)
-      except NotImplementedError:
-        pass  # refused here anyway
-      else:
-        with pytest.raises(NotImplementedError,
-                           match=rf"'{self.implementation}'.*forward-mode"):
-          run(self.layer_norm, primals, tangents)
+    candidates = reference.forward_mode_candidates(
+        self.layer_norm, functools.partial(tokamax.layer_norm, implementation=None),
+        self.jvp_supported, self.implementation, lambda: self.layer_norm(*primals),
+        lambda layer_norm: run(layer_norm, primals, tangents))
     _, grad_tol = reference.TOLERANCE[jnp.dtype(dtype)]
     for layer_norm in candidates:
       t_out, hvp = run(layer_norm, primals, tangents)
