@@ -1132,8 +1132,11 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
       carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
     dq, _ = carry
     if dbias_ref is not None:  # zeros in the key blocks the rows never see
-      pl.loop(jnp.int32(0), lo)(write_zeros)
-      pl.loop(hi, jnp.int32(dbias_ref.shape[3] // bk))(write_zeros)
+      # lo (= hi) passes the last key block for rows past every key (a left
+      # window with T > S): the stores are unchecked, so clamp both loops.
+      blocks = jnp.int32(dbias_ref.shape[3] // bk)
+      pl.loop(jnp.int32(0), jnp.minimum(lo, blocks))(write_zeros)
+      pl.loop(jnp.minimum(hi, blocks), blocks)(write_zeros)
     # Rows >= q_lim (lse = +inf there) get 0.
     qrows = r0 + plgpu.broadcasted_iota(
         jnp.int32, dq.shape, 0, layout=plgpu.Layout.WGMMA)
