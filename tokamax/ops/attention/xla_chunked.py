@@ -153,7 +153,6 @@ class ChunkedDotProductAttentionVjp(base.DotProductAttentionVjp):
 
   implementation = "xla_chunked"
   config_cls = ChunkedAttentionConfig
-  differentiable_forward = True  # jax.jvp differentiates the chunked loop
 
   def _get_heuristics_config(self, ba):
     return _heuristic(ba)
