@@ -50,7 +50,9 @@ if [[ $what == pending ]]; then
   # 4 "mosaic" at 17-33 heads with the band-1 rule against bands of 8.
   # Steps 1 and 2 also run the forward-mode tests (2026-12-05, 06:17: kernels
   # refuse jax.jvp by name, None falls back to "xla"), and step 1 the bias
-  # and window features (the "mosaic" dq kernel's dbias zero-fill clamped).
+  # and window features (the "mosaic" dq kernel's dbias zero-fill clamped),
+  # step 2 the one-feature layer norm (dx exactly 0). Step 2t: its tests
+  # only, 2b: its benchmark only.
   pt() { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 "$1" python3 -m pytest -q \
     -n ${JOBS:-14} -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}" 2>&1 \
     | grep -v "PytestBenchmarkWarning\|warner(" | tail -25; }
@@ -60,8 +62,9 @@ if [[ $what == pending ]]; then
     1) pt ${TEST_S:-300} tests/test_attention.py \
          -k "(TritonGpu or TestMosaicGpu or TestCudnn) and (real_size or head_dims or forward_mode or bias or window)" \
          | tee "$OUT/pending_attention_tests.log" ;;
-    2) pt 120 tests/test_layer_norm.py -k "wide or chunked or forward_mode" | tee "$OUT/pending_ln_tests.log"
-       SHAPES="4096x18432,1024x65536,16x32768x64 axis 1" IMPLS=auto,triton,xla timeout 150 \
+    2|2t|2b) [[ $step == 2b ]] || pt 120 tests/test_layer_norm.py \
+         -k "wide or chunked or forward_mode or one_feature" | tee "$OUT/pending_ln_tests.log"
+       [[ $step == 2t ]] || SHAPES="4096x18432,1024x65536,16x32768x64 axis 1" IMPLS=auto,triton,xla timeout 150 \
          python3 benchmarks/layer_norm.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -16 ;;
     3) for flag in "HEAVY_FIRST_BAND 8" "triton.HEAVY_FIRST_BAND 4"; do
          set -- $flag; mkdir -p "$OUT/${1//./_}"

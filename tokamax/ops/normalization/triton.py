@@ -696,6 +696,16 @@ def _xhat(x, mean, rstd, mask):
   return x * rstd if mean is None else jnp.where(mask, (x - mean) * rstd, 0.0)
 
 
+def _dx(rstd, centred, xhat, proj, features: int, subtract_mean: bool):
+  """dx = rstd * (centred - xhat * proj), centred = g - mean(g) (g without
+  the mean for RMS norm). Exactly 0 for a layer norm over one feature: y
+  does not depend on x there, but computed, g - mean(g) contracts into an
+  FMA whose rounding error rstd = 1/sqrt(eps) multiplies (~1e-5)."""
+  if subtract_mean and features == 1:
+    return jnp.zeros_like(centred)
+  return rstd * (centred - xhat * proj)
+
+
 def _stat_loader(view: _View, stat, vec_ok):
   """ref -> its statistics ([R] or [pre, post]) of the tile's vectors at
   `stat`, broadcastable against the tile; 0 for vectors out of range (so
@@ -754,7 +764,7 @@ def _bwd_kernel(*refs, view: _View, num_programs, iters, scale_offset,
       centred = g - view.per_vector(jnp.sum(g, axis=fa) / f)
     else:
       centred = g
-    dx = rstd * (centred - xhat * proj)
+    dx = _dx(rstd, centred, xhat, proj, f, subtract_mean)
     pltr.store(dx_ref.at[tile], dx.astype(dx_ref.dtype), mask=mask)
     if has_scale:
       acc_ds = acc_ds + jnp.sum(dy * xhat, axis=1 - fa)
@@ -1013,7 +1023,7 @@ def _bwd_dx_kernel(*refs, features, post, chunk, block, scale_offset,
   if subtract_mean:
     s_g = _load_columns(sum_g_ref, p, v0, block, post)
     centred = g - (s_g / features)[None, :]
-  dx = rstd[None, :] * (centred - xhat * (s_gx / features)[None, :])
+  dx = _dx(rstd[None, :], centred, xhat, (s_gx / features)[None, :], features, subtract_mean)
   pltr.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
 
 
