@@ -142,10 +142,18 @@ HEAVY_FIRST_BAND = 8
 HEAVY_FIRST_MAX_WAVES = 36
 # Band 1 when a wave holds at least min(HEAVY_FIRST_BAND, this) CTAs of every
 # (batch, head): 4 (up to 33 heads), from the GQA dk/dv grid above; it was
-# 8 (16 heads) before 2026-12-05. The 17-33-head grids of the forward and
-# dq kernels, where 4 CTAs of a head per wave share its k/v in L2 instead
-# of 8, are not yet timed (benchmarks/attention_variance.py "mid" shapes).
+# 8 (16 heads) before 2026-12-05.
 BAND_ONE_PER_HEAD = 4
+# ... and only up to this many CTAs per SM. H200, 2026-12-05 (09:50),
+# band 1 (BAND_ONE_PER_HEAD 4) against bands of 8 (8), causal H128, per
+# kernel forward / dk,dv / dq ms: B2 T8192 N12 (24 heads, 11.6 CTAs per SM)
+# 0.641 / 1.214 / 0.822 against 0.635 / 1.238 / 0.838 (band 1 1.3 % faster
+# in all); B1 T16384 N32 (32 heads, 31 per SM) 3.709 / 7.405 / 4.948
+# against 3.641 / 7.159 / 4.856 (band 1 2.5 % slower): with many waves the
+# tail is short and 8 CTAs of a head per wave share its k/v in L2 (8 MB per
+# head at T16384) where band 1 runs 4. The GQA dk/dv grid (7.8 per SM)
+# gains from band 1 (note above).
+BAND_ONE_MAX_WAVES = 16
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -238,7 +246,8 @@ def _cta_coords(sp, bsz: int, heads: int, blocks: int):
   """(batch, head, rank) of this CTA on a flat grid of bsz * heads * blocks
   (`triton.grid_position`: rank bands, rank 0 the heaviest block)."""
   band = triton.heavy_first_band(sp, bsz * heads, blocks, HEAVY_FIRST_BAND,
-                                 HEAVY_FIRST_MAX_WAVES, BAND_ONE_PER_HEAD)
+                                 HEAVY_FIRST_MAX_WAVES, BAND_ONE_PER_HEAD,
+                                 BAND_ONE_MAX_WAVES)
   return triton.grid_position(lax.axis_index("cta"), bsz, heads, blocks, band)
 
 

@@ -73,8 +73,8 @@ SMS = 132  # H100/H200 SXM
 _MIN_PART_ROWS = 64
 
 
-def heavy_first_band(sp: "Spec", groups: int, blocks: int,
-                     band: int | None, max_waves: int, per_head: int) -> int:
+def heavy_first_band(sp: "Spec", groups: int, blocks: int, band: int | None,
+                     max_waves: int, per_head: int, one_max_waves: int) -> int:
   """Programs per (batch, head) in a band of `grid_position` for a grid of
   `groups` (batch, head) pairs of `blocks` programs: `band` for causal or
   right-window grids of at most `max_waves` programs per SM (an unequal
@@ -86,10 +86,12 @@ def heavy_first_band(sp: "Spec", groups: int, blocks: int,
   (batch, head) order, forward+backward: B1 T4096 N16 H128 causal "mosaic"
   0.488 vs 0.602 ms, "triton" 0.633 vs 0.793; B1 T8192 N8 0.891 vs 1.080,
   1.169 vs 1.446; the GQA dk/dv grid (32 kv heads) 1.659 vs 1.717 ms
-  ("mosaic") against bands of 8."""
+  ("mosaic") against bands of 8. Band 1 only up to `one_max_waves` programs
+  per SM: past it the bands' L2 sharing counts for more than the tail
+  (see the "mosaic" module's BAND_ONE_MAX_WAVES)."""
   if sp.right is None or band is None or groups * blocks > max_waves * SMS:
     return blocks
-  if groups * min(band, per_head) <= SMS:
+  if groups * min(band, per_head) <= SMS and groups * blocks <= one_max_waves * SMS:
     return 1
   return min(band, blocks)
 
@@ -515,7 +517,8 @@ def _flat_grid(sp: Spec, bsz: int, heads: int, blocks: int):
   """(batch, head, rank) of this program on a flat grid of
   bsz * heads * blocks (`grid_position`)."""
   band = heavy_first_band(sp, bsz * heads, blocks, HEAVY_FIRST_BAND,
-                          HEAVY_FIRST_MAX_WAVES, BAND_ONE_PER_HEAD)
+                          HEAVY_FIRST_MAX_WAVES, BAND_ONE_PER_HEAD,
+                          HEAVY_FIRST_MAX_WAVES)  # band 1 at any count: untimed
   return grid_position(i32(pl.program_id(0)), bsz, heads, blocks, band)
 
 
