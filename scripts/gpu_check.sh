@@ -73,6 +73,15 @@ if [[ $what == pending ]]; then
          PAUSE_S=1 timeout 150 python3 benchmarks/attention_variance.py "$OUT/${1//./_}" 4 \
            "GQA,H128 causal" "$1" "$2" 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -6
        done ;;
+    # 5 (2026-12-05 09:04): the forward-mode tests at f32 matmul precision,
+    # the one-feature layer_norm and the dbias feature on the GPU; then the
+    # "mid" shapes at the defaults (band 1 only up to 16 CTAs per SM).
+    5) pt 240 tests/test_attention.py tests/test_layer_norm.py \
+         -k "forward_mode or (TestMosaicGpu and window_rows) or (TritonGpu and one_feature)" \
+         | tee "$OUT/pending_5_tests.log"
+       mkdir -p "$OUT/mid"
+       PAUSE_S=1 timeout 150 python3 benchmarks/attention_variance.py "$OUT/mid" 3 mid \
+         2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -8 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"
