@@ -40,6 +40,8 @@ if [[ $what == ship ]]; then
   exit
 fi
 if [[ $what == pending ]]; then
+  # Steps 1-4 ran on the H200 and step 5 on an H100 on 2026-12-05 (09:04-):
+  # docs/benchmarks.md has the results; kept to re-run after changes.
   # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
   # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
   # dim (the "triton" heuristic's row halves at head dim 128, its bands of
