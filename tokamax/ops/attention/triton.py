@@ -67,6 +67,10 @@ HEAVY_FIRST_MAX_WAVES = 36
 # Band 1 when a wave holds at least min(HEAVY_FIRST_BAND, this) programs of
 # every (batch, head) in any order (`heavy_first_band`).
 BAND_ONE_PER_HEAD = 4
+# ... and at most this many programs per SM: no limit beyond
+# HEAVY_FIRST_MAX_WAVES (the "mosaic" kernels take 16 from an H200 A/B;
+# for these kernels untimed).
+BAND_ONE_MAX_WAVES = HEAVY_FIRST_MAX_WAVES
 SMS = 132  # H100/H200 SXM
 # Forward row parts (config.row_parts = 2): halves of at least this many
 # rows, a warpgroup's wgmma tile; smaller (clipped) blocks run one part.
@@ -518,7 +522,7 @@ def _flat_grid(sp: Spec, bsz: int, heads: int, blocks: int):
   bsz * heads * blocks (`grid_position`)."""
   band = heavy_first_band(sp, bsz * heads, blocks, HEAVY_FIRST_BAND,
                           HEAVY_FIRST_MAX_WAVES, BAND_ONE_PER_HEAD,
-                          HEAVY_FIRST_MAX_WAVES)  # band 1 at any count: untimed
+                          BAND_ONE_MAX_WAVES)
   return grid_position(i32(pl.program_id(0)), bsz, heads, blocks, band)
 
 
