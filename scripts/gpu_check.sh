@@ -42,6 +42,7 @@ fi
 if [[ $what == pending ]]; then
   # Steps 1-4 ran on the H200 and step 5 on an H100 on 2026-12-05 (09:04-):
   # docs/benchmarks.md has the results; kept to re-run after changes.
+  # Step 6 is queued (STEP=6, about 2 minutes).
   # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
   # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
   # dim (the "triton" heuristic's row halves at head dim 128, its bands of
@@ -84,6 +85,12 @@ if [[ $what == pending ]]; then
        mkdir -p "$OUT/mid"
        PAUSE_S=1 timeout 150 python3 benchmarks/attention_variance.py "$OUT/mid" 3 mid \
          2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -8 ;;
+    # 6 (queued 2026-12-05 10:45, not yet run): whether "triton" also wants
+    # band 1 only for short grids, as "mosaic" does (B1 T16384 N32 differs,
+    # B2 T8192 N12 is the control).
+    6) mkdir -p "$OUT/triton_band_one"
+       PAUSE_S=1 timeout 200 python3 benchmarks/attention_variance.py "$OUT/triton_band_one" 3 mid \
+         triton.BAND_ONE_MAX_WAVES 36,16 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -8 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"
