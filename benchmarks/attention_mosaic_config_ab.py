@@ -1,8 +1,8 @@
 """A/B of "mosaic" attention forward configs, alternated (GPU).
 
 Usage: python benchmarks/attention_mosaic_config_ab.py [OUT_DIR] [CONFIGS] [SHAPES] [ROUNDS]
-CONFIGS: comma-separated "block_q.block_kv.num_stages.consumers" (default
-"64.128.2.2,64.192.2.2"); SHAPES: comma-separated words matched against the
+CONFIGS: comma-separated "block_q.block_kv.num_stages.consumers", with
+".1" appended for a persistent forward (default "64.128.2.2,64.192.2.2"); SHAPES: comma-separated words matched against the
 shape labels ("" = all); ROUNDS (default 2). For each shape and causal flag:
 cuDNN's forward (jax.nn), then every config's forward, the configs timed in
 turn ROUNDS times (cupti, median of 20 each), bf16 random inputs, each
@@ -24,7 +24,8 @@ from tokamax.ops.attention import mosaic as mo
 
 
 def _name(c: mo.MosaicAttentionConfig) -> str:
-  return f"{c.block_q}.{c.block_kv}.{c.num_stages}.{c.consumers}"
+  return f"{c.block_q}.{c.block_kv}.{c.num_stages}.{c.consumers}" + (
+      ".1" if c.persistent else "")
 
 
 def main(out_dir=".", configs="64.128.2.2,64.192.2.2", words="", rounds="2"):

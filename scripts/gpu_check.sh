@@ -91,6 +91,16 @@ if [[ $what == pending ]]; then
     6) mkdir -p "$OUT/triton_band_one"
        PAUSE_S=1 timeout 200 python3 benchmarks/attention_variance.py "$OUT/triton_band_one" 3 mid \
          triton.BAND_ONE_MAX_WAVES 36,16 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -8 ;;
+    # 7 (2026-12-05 12:40): the persistent forward (config.persistent):
+    # its GPU tests, then an A/B of the shipped configs with and without it.
+    7) pt 200 tests/test_attention.py -k "TestMosaicGpu and persistent" \
+         | tee "$OUT/pending_7_tests.log"
+       mkdir -p "$OUT/persistent"
+       timeout 150 python3 benchmarks/attention_mosaic_config_ab.py "$OUT/persistent" \
+         64.128.2.3,64.128.2.3.1 seed 3 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -4
+       mkdir -p "$OUT/persistent_h128"
+       timeout 200 python3 benchmarks/attention_mosaic_config_ab.py "$OUT/persistent_h128" \
+         64.128.2.2,64.128.2.2.1 H128 3 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -4 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

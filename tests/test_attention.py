@@ -787,6 +787,26 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     c = dataclasses.replace(FEATURES[feature], t=300, s=260, n=4, kh=2)
     self.check(c, BF16, feature)
 
+  @pytest.mark.parametrize("feature, consumers, bk, ctas", [
+      ("causal", 2, 64, 2), ("causal", 3, 128, 3), ("combined", 2, 64, 3),
+      ("t_ne_s_causal", 2, 128, 2), ("window_left_right", 3, 64, 2),
+      ("q_lens", 2, 64, 5), ("plain", 3, 64, 4), ("bias_full", 2, 64, 2)])
+  def test_persistent(self, monkeypatch, feature, consumers, bk, ctas):
+    """The persistent forward (config.persistent) on `ctas` CTAs looping over
+    the 2 x 2 x 3 query tiles (or 2 x 2 x 2 with three consumers): the K/V
+    ring running on across tiles (2 slots, tiles of 0 to 5 key blocks), the
+    next Q prefetched, O stores of one tile in flight under the next, tiles
+    with no visible key, the boustrophedon rounds (a last round of 0 to 3
+    tiles); with heavy-first bands of 2 (four SMs)."""
+    monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", ctas)
+    monkeypatch.setattr(mosaic_attn, "HEAVY_FIRST_BAND", 2)
+    monkeypatch.setattr(triton_attn, "SMS", 4)
+    self.op = _mosaic_op(block_q=64, block_kv=bk, num_stages=2,
+                         consumers=consumers, persistent=True)
+    c = FEATURES[feature]
+    self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
+               BF16, feature)
+
   @pytest.mark.parametrize("feature", ["causal", "kv_lens", "combined"])
   def test_192_key_steps(self, feature):
     """192-key forward steps (three 64-key wgmma contractions; no half step):
@@ -926,6 +946,26 @@ def test_mosaic_three_consumers_lower_for_cuda(causal):
   assert text.count(MOSAIC_TARGET) == 1
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape, consumers", [
+    ((32, 2048, 16, 16, 64), 3), ((8, 4096, 16, 16, 128), 2),
+    ((4, 4096, 32, 8, 128), 2)])
+def test_mosaic_persistent_lowers_for_cuda(shape, consumers, causal):
+  """The persistent forward lowers at the benchmark shapes, with the lse
+  residual of a gradient (its kernel alone: the VJP's kernels are the
+  per-tile ones)."""
+  b, t, n, kh, h = shape
+  q = jax.ShapeDtypeStruct((b, t, n, h), BF16)
+  kv = jax.ShapeDtypeStruct((b, t, kh, h), BF16)
+  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
+                  persistent=True)
+  f = lambda q, k, v: jax.tree.leaves(jax.vjp(
+      lambda *a: op(*a, is_causal=causal), q, k, v)[0])
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(f, q, kv, kv)
+  assert text.count(MOSAIC_TARGET) == 1
+
+
 def test_mosaic_search_space_lowers_for_cuda():
   for h in (64, 128, 256):
     q = jax.ShapeDtypeStruct((1, 1000, 2, h), BF16)
@@ -940,7 +980,8 @@ def test_mosaic_search_space_lowers_for_cuda():
 @pytest.mark.parametrize("residuals", [False, True])
 @pytest.mark.parametrize("h, config", [
     (128, (64, 128, 2, 2)), (128, (64, 128, 3, 2)), (128, (64, 64, 4, 3)),
-    (64, (128, 128, 2, 3)), (64, (64, 128, 4, 2))])
+    (64, (128, 128, 2, 3)), (64, (64, 128, 4, 2)), (64, (64, 128, 2, 3, True)),
+    (128, (64, 128, 2, 2, True))])
 def test_mosaic_smem_estimate_bounds_the_kernel(monkeypatch, h, config, residuals):
   """smem_bytes (what _fits and the search space go by) is at least what
   Mosaic GPU allocates for the forward, with and without the residuals of
@@ -1095,6 +1136,17 @@ class TestMosaicGpu(AttentionTestBase):
     b, t, n, kh, h = shape
     self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h,
                     kwargs=(("is_causal", causal),)), BF16)
+
+  @pytest.mark.parametrize("causal", [False, True])
+  @pytest.mark.parametrize("shape, consumers", [
+      ((4, 2048, 8, 8, 64), 3), ((2, 4096, 8, 4, 128), 2), ((2, 1500, 6, 2, 80), 2)])
+  def test_persistent_real_size(self, shape, causal, consumers):
+    """The persistent forward on 132 CTAs, 2-4 query tiles each."""
+    b, t, n, kh, h = shape
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
+                         consumers=consumers, persistent=True)
+    self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h, q_lens=not causal,
+                    kv_lens=not causal, kwargs=(("is_causal", causal),)), BF16)
 
   @pytest.mark.parametrize("config", sorted(
       mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))

@@ -154,6 +154,9 @@ BAND_ONE_PER_HEAD = 4
 # head at T16384) where band 1 runs 4. The GQA dk/dv grid (7.8 per SM)
 # gains from band 1 (note above).
 BAND_ONE_MAX_WAVES = 16
+# CTAs of a persistent forward (`MosaicAttentionConfig.persistent`): one per
+# SM (a forward CTA takes a whole SM's registers).
+PERSISTENT_CTAS = triton.SMS
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -183,6 +186,9 @@ class MosaicAttentionConfig:
   block_kv: int = 128
   num_stages: int = 2
   consumers: int = 2
+  # One CTA per SM (at most PERSISTENT_CTAS) looping over the query tiles
+  # instead of one CTA per tile (`_persistent_tiles`).
+  persistent: bool = False
 
   @pydantic.field_validator("block_q", "block_kv", "consumers")
   @classmethod
@@ -210,7 +216,8 @@ def smem_bytes(config: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int,
   bq, bk, st = config.block_q, config.block_kv, config.num_stages
   nc = config.consumers
   q = nc * bq * hp * itemsize
-  o = 0 if hvp == hp else nc * bq * hvp * itemsize
+  # O goes out through Q's buffer unless Q is prefetched under the epilogue.
+  o = 0 if hvp == hp and not config.persistent else nc * bq * hvp * itemsize
   kv = st * bk * (hp + hvp) * itemsize
   lse = nc * bq * 4 if residuals else 0
   bufs = [q, o, kv // 2, kv // 2, lse]
@@ -242,23 +249,44 @@ def _cta_grid(bsz: int, heads: int, blocks: int):
   return dict(grid=(bsz * heads * blocks,), grid_names=("cta",))
 
 
-def _cta_coords(sp, bsz: int, heads: int, blocks: int):
-  """(batch, head, rank) of this CTA on a flat grid of bsz * heads * blocks
-  (`triton.grid_position`: rank bands, rank 0 the heaviest block)."""
+def _cta_coords(sp, bsz: int, heads: int, blocks: int, p=None):
+  """(batch, head, rank) of tile p (default: this CTA's) of a flat grid of
+  bsz * heads * blocks (`triton.grid_position`: rank bands, rank 0 the
+  heaviest block)."""
   band = triton.heavy_first_band(sp, bsz * heads, blocks, HEAVY_FIRST_BAND,
                                  HEAVY_FIRST_MAX_WAVES, BAND_ONE_PER_HEAD,
                                  BAND_ONE_MAX_WAVES)
-  return triton.grid_position(lax.axis_index("cta"), bsz, heads, blocks, band)
+  if p is None:
+    p = lax.axis_index("cta")
+  return triton.grid_position(p, bsz, heads, blocks, band)
+
+
+def _persistent_tiles(total: int, ctas: int):
+  """This CTA's share of `total` flat-grid tiles among `ctas` persistent
+  CTAs: (tile count, i -> flat index of its i-th tile). Tiles go out round
+  by round in flat-grid order (heaviest first under causal masking), odd
+  rounds in reverse CTA order, so the CTA that took a round's heaviest tile
+  takes the next round's lightest (boustrophedon)."""
+  c = lax.axis_index("cta")
+
+  def tile(i):
+    i = jnp.asarray(i, jnp.int32)
+    return i * ctas + jnp.where(lax.rem(i, jnp.int32(2)) == 0, c, ctas - 1 - c)
+
+  rounds = total // ctas
+  count = rounds + (tile(jnp.int32(rounds)) < total).astype(jnp.int32)
+  return count, tile
 
 
 def _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq: int, bk: int,
-               nc: int = _CONSUMERS):
+               nc: int = _CONSUMERS, p=None):
   """Ids and ranges of a CTA of nc * bq query rows on the flat grid of
-  `_cta_grid` (q_ref [B, T, N, H] of T padded to CTAs): (b, n, wg, kv head,
-  q_lim, kv_lim, first row, key blocks [lo, hi))."""
+  `_cta_grid` (q_ref [B, T, N, H] of T padded to CTAs; p: the tile, default
+  this CTA's): (b, n, wg, kv head, q_lim, kv_lim, first row, key blocks
+  [lo, hi))."""
   bsz, t, heads, _ = q_ref.shape
   nq = pl.cdiv(t, nc * bq)
-  b, n, qi = _cta_coords(sp, bsz, heads, nq)
+  b, n, qi = _cta_coords(sp, bsz, heads, nq, p)
   if sp.right is not None:  # causal/right window: rank 0 = the last rows
     qi = nq - 1 - qi
   wg = lax.axis_index("wg")
@@ -443,7 +471,11 @@ def _lazy_softmax(z, m, l, acc, raw, interpret: bool):
 
 
 def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
-                nc: int, save_lse: bool, interpret: bool):
+                nc: int, save_lse: bool, ctas: int, interpret: bool):
+  """ctas: 0 for one CTA per query tile, else the number of persistent CTAs
+  (`_persistent_tiles`): the K/V ring runs on across tiles (the producer
+  fills the next tile's slots under this tile's last steps) and each
+  consumer prefetches its next Q tile under its epilogue."""
   it = iter(refs)
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   bias_ref = next(it) if sp.bias_dims is not None else None
@@ -456,10 +488,20 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
   if o_smem is None:
     o_smem = q_smem
   dtype = q_ref.dtype
+  if ctas:
+    wg = lax.axis_index("wg")
+    bsz, tq, heads, _ = q_ref.shape
+    count, tile = _persistent_tiles(bsz * heads * pl.cdiv(tq, nc * bq), ctas)
 
+    def query_tile(i):
+      return _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, tile(i))
+  else:  # this CTA's tile
+    count, cta = 1, _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc)
+    wg = cta[2]
 
-  b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
-      sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc)
+    def query_tile(i):
+      del i
+      return cta
 
   # Tensor-core turns. A turn issues a step's P V and the next step's Q K^T.
   # Two consumers: a rendezvous barrier (2 arrivals) after each Q K^T issue
@@ -485,13 +527,25 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_wait(sched.at[wg])
 
-  def slot_of(j):
-    return lax.rem(j - lo, jnp.int32(stages))
+  def ring(lo, k0):
+    """Key block j's ring slot; k0: the blocks streamed for earlier tiles."""
+    start = lo if k0 is None else lo - k0
+    return lambda j: lax.rem(j - start, jnp.int32(stages))
 
-  @pl.when(wg < nc)
-  def _consumer():
-    if not interpret:
-      plgpu.set_max_registers(_consumer_regs(nc), action="increase")
+  def load_q(b, n, r0):
+    plgpu.copy_gmem_to_smem(
+        q_ref.at[b, pl.ds(r0, bq), n], q_smem.at[wg], q_ready.at[wg])
+
+  def prefetch_q(i):
+    """Persistent: tile i + 1's Q, once this WG's last Q K^T has run."""
+    @pl.when(i + 1 < count)
+    def _():
+      b, n, _, _, _, _, cta0, _, _ = query_tile(i + 1)
+      load_q(b, n, cta0 + wg * bq)
+
+  def consumer_tile(i, k0):
+    b, n, _, kh, q_lim, kv_lim, cta0, lo, hi = query_tile(i)
+    slot_of = ring(lo, k0)
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
@@ -499,8 +553,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
       segments = _split_last_half(sp, segments, r0, bq, bk, q_lim, kv_lim)
     q_tile = q_smem.at[wg]
-    plgpu.copy_gmem_to_smem(
-        q_ref.at[b, pl.ds(r0, bq), n], q_tile, q_ready.at[wg])
+    if not ctas:
+      load_q(b, n, r0)
     with jax.named_scope("q_wait"):  # named regions: trace_kernels() traces
       plgpu.barrier_wait(q_ready.at[wg])
 
@@ -534,6 +588,10 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       def _():
         plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
 
+    def last_qk_done(j):
+      if ctas:
+        pl.when(j == hi - 1)(lambda: prefetch_q(i))
+
     load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
                               pl.cdiv(sp.s, bk) - 1, (bq, bk))
 
@@ -542,6 +600,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       slot = slot_of(j)
       if mode == "skip":  # a block only the other consumer sees
         with jax.named_scope("skip"):
+          last_qk_done(j)
           tiles = load_tiles(n, j, 1)
           plgpu.barrier_arrive(k_free.at[slot])
           pass_turn()
@@ -567,6 +626,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
         return s, nxt
 
       qk, nxt = pl.run_scoped(qk_product, plgpu.ACC((bq, width), jnp.float32))
+      last_qk_done(j)
       bias, mask = tiles
       with jax.named_scope("softmax"):
         plgpu.barrier_arrive(k_free.at[slot])
@@ -643,6 +703,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     else:  # pass the last turn on; WG 0 takes the token's final phase
       pass_turn()
       pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))
+    if ctas:  # a tile without key blocks: Q is not in use
+      pl.when(lo >= hi)(lambda: prefetch_q(i))
     m, l, acc, _ = carry
 
     # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
@@ -652,6 +714,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       rows = r0 + plgpu.broadcasted_iota(
           jnp.int32, (bq, hvp), 0, layout=plgpu.Layout.WGMMA)
       out = jnp.where(rows < q_lim, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), 0.0)
+      if ctas:  # the previous tile's stores have read O's buffer
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       o_tile = o_smem.at[wg]
       o_tile[...] = out.astype(dtype)
       if save_lse:
@@ -661,12 +725,26 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(r0, bq), n])
       if save_lse:
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(r0, bq)])
-      plgpu.wait_smem_to_gmem(0)
+      if not ctas:
+        plgpu.wait_smem_to_gmem(0)
+    if ctas:
+      return k0 + jnp.maximum(hi - lo, 0)
 
-  @pl.when(wg == nc)
-  def _producer():
+  @pl.when(wg < nc)
+  def _consumer():
     if not interpret:
-      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+      plgpu.set_max_registers(_consumer_regs(nc), action="increase")
+    if ctas:
+      b, n, _, _, _, _, cta0, _, _ = query_tile(0)
+      load_q(b, n, cta0 + wg * bq)
+      lax.fori_loop(0, count, consumer_tile, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0)
+    else:
+      consumer_tile(0, None)
+
+  def producer_tile(i, k0):
+    b, _, _, kh, _, _, _, lo, hi = query_tile(i)
+    slot_of = ring(lo, k0)
 
     def issue(j, slot, barrier_wait):
       rows = (b, pl.ds(j * bk, bk), kh)
@@ -679,7 +757,9 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
           plgpu.barrier_wait(v_free.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-    first = jnp.minimum(lo + stages, hi)
+    # The ring's first `stages` blocks (over all tiles) go into empty slots.
+    fill = stages if k0 is None else jnp.maximum(stages - k0, 0)
+    first = jnp.minimum(lo + fill, hi)
 
     @pl.loop(lo, first)
     def _fill(j):
@@ -689,8 +769,23 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     def _stream(j):
       issue(j, slot_of(j), True)
 
+    if k0 is None:
+      return lo, hi
+    return k0 + jnp.maximum(hi - lo, 0)
+
+  @pl.when(wg == nc)
+  def _producer():
+    if not interpret:
+      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+    if ctas:
+      blocks = lax.fori_loop(0, count, producer_tile, jnp.int32(0))
+      lo, hi, slot_of = jnp.int32(0), blocks, ring(jnp.int32(0), None)
+    else:
+      lo, hi = producer_tile(0, None)
+      slot_of = ring(lo, None)
+
     # Wait out the last phases of the free barriers (the interpreter checks
-    # that every waiter saw every phase; on the GPU this only idles WG 2).
+    # that every waiter saw every phase; on the GPU this only idles WG C).
     @pl.loop(jnp.maximum(lo, hi - stages), hi)
     def _drain(j):
       plgpu.barrier_wait(k_free.at[slot_of(j)])
@@ -720,7 +815,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   dtype = q.dtype
   scratch = [
       plgpu.SMEM((nc, bq, hp), dtype),
-      None if hvp == hp else plgpu.SMEM((nc, bq, hvp), dtype),
+      None if hvp == hp and not config.persistent else plgpu.SMEM((nc, bq, hvp), dtype),
       plgpu.SMEM((stages, bk, hp), dtype),
       plgpu.SMEM((stages, bk, hvp), dtype),
       plgpu.SMEM((nc, bq), jnp.float32) if return_residuals else None,
@@ -745,15 +840,17 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       jax.ShapeDtypeStruct((bsz, n, nq * cta_rows), jnp.float32)
       if return_residuals else None,
   ]
+  tiles_total = bsz * n * nq
+  ctas = min(tiles_total, PERSISTENT_CTAS) if config.persistent else 0
   kernel = plgpu.kernel(
       functools.partial(
           _fwd_kernel, sp=sp, bq=bq, bk=bk, stages=stages, hp=hp, hvp=hvp,
-          nc=nc, save_lse=return_residuals, interpret=interpret),
+          nc=nc, save_lse=return_residuals, ctas=ctas, interpret=interpret),
       out_type=out_type,
       scratch_types=scratch,
       # CTAs running together are query tiles of a few heads and share their
       # K/V blocks in L2 (`_cta_coords`).
-      **_cta_grid(bsz, n, nq),
+      **(dict(grid=(ctas,), grid_names=("cta",)) if ctas else _cta_grid(bsz, n, nq)),
       num_threads=nc + 1,
       thread_name="wg",
       compiler_params=pallas_mosaic.compiler_params(approx_math=True),
