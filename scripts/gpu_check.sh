@@ -101,6 +101,13 @@ if [[ $what == pending ]]; then
        mkdir -p "$OUT/persistent_h128"
        timeout 200 python3 benchmarks/attention_mosaic_config_ab.py "$OUT/persistent_h128" \
          64.128.2.2,64.128.2.2.1 H128 3 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -4 ;;
+    # 8 (2026-12-05 13:55): persistent by default (heuristic, search space,
+    # shipped cache): the whole "mosaic" GPU class, then the attention
+    # benchmark (forward and forward+backward) against cuDNN and XLA.
+    8) JOBS=${JOBS:-8} pt ${TEST_S:-300} tests/test_attention.py -k "TestMosaicGpu" \
+         | tee "$OUT/pending_8_tests.log"
+       timeout 220 python3 benchmarks/attention.py "$OUT" mosaic,jax.nn 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tail -16 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

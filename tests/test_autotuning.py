@@ -535,7 +535,8 @@ def test_autotune_mosaic_attention_in_interpreter(monkeypatch):
 
   monkeypatch.setattr(mo, "search_space", lambda *a, **k: {
       mo.MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=1),
-      mo.MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=2, consumers=3)})
+      mo.MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=2, consumers=3,
+                               persistent=True)})
   monkeypatch.setattr(mo, "vjp_search_space", lambda *a: {
       mo.MosaicAttentionVjpConfig(num_stages=1, dq_num_stages=1)})
   q = jax.random.normal(jax.random.key(22), (1, 130, 2, 64), jnp.bfloat16)
@@ -550,8 +551,8 @@ def test_autotune_mosaic_attention_in_interpreter(monkeypatch):
     result = tokamax.autotune(jax.jit(jax.grad(loss)), q, progress_bar=False)
     by_class = {e.op.split(":")[1]: e for e in result.entries}
     assert set(by_class) == {"MosaicDotProductAttention", "MosaicDotProductAttentionVjp"}
-    # The heuristic configs are among the candidates: (64, 128, 2, 3 consumers)
-    # forward.
+    # The heuristic configs are among the candidates: (64, 128, 2, 3
+    # consumers, persistent) forward.
     assert len(by_class["MosaicDotProductAttention"].measurements) == 2
     assert len(by_class["MosaicDotProductAttentionVjp"].measurements) == 2
     with tokamax.AutotuningResult.loads(result.dumps()):

@@ -87,16 +87,20 @@ def test_fuzz_triton_attention(t, s, bq, bk, window, h, parts, dtype, kh, g, cau
     t=st.integers(1, 300), s=st.integers(1, 300), stages=st.sampled_from([1, 2, 3]),
     window=st.sampled_from(WINDOWS + [(0, 70), (90, 0)]), h=st.sampled_from([64, 40]),
     consumers=st.sampled_from([2, 3]), bk=st.sampled_from([64, 128]),
-    dq_consumers=st.sampled_from([2, 3]), **_FEATURES,
+    dq_consumers=st.sampled_from([2, 3]), ctas=st.sampled_from([0, 1, 2, 3, 5]),
+    **_FEATURES,
 )
 def test_fuzz_mosaic_attention(t, s, stages, window, h, consumers, bk, dq_consumers,
-                               kh, g, causal, bias, mask, lens, cap, hv):
+                               ctas, kh, g, causal, bias, mask, lens, cap, hv):
+  """ctas > 0: the persistent forward on that many CTAs."""
   bias = min(bias, _BIASES - 2)  # bf16 only (see _BIASES)
   op = ta._mosaic_op(
       vjp=dict(block_kv=64, block_q=64, num_stages=stages, dq_block_q=64,
                dq_block_kv=64, dq_num_stages=stages, dq_consumers=dq_consumers),
-      block_q=64, block_kv=bk, num_stages=stages, consumers=consumers)
-  with ta.pallas_mosaic.interpret_mode():
+      block_q=64, block_kv=bk, num_stages=stages, consumers=consumers,
+      persistent=ctas > 0)
+  with pytest.MonkeyPatch.context() as mp, ta.pallas_mosaic.interpret_mode():
+    mp.setattr(ta.mosaic_attn, "PERSISTENT_CTAS", max(ctas, 1))
     _Checker("mosaic", op).check(
         _case(t, s, kh, g, h, hv, causal, window, bias, mask, lens, cap), ta.BF16)
 
