@@ -91,7 +91,7 @@ if [[ $what == pending ]]; then
     6) mkdir -p "$OUT/triton_band_one"
        PAUSE_S=1 timeout 200 python3 benchmarks/attention_variance.py "$OUT/triton_band_one" 3 mid \
          triton.BAND_ONE_MAX_WAVES 36,16 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -8 ;;
-    # 7 (2026-12-05 12:40): the persistent forward (config.persistent):
+    # 7 (2026-12-05 12:05): the persistent forward (config.persistent):
     # its GPU tests, then an A/B of the shipped configs with and without it.
     7) pt 200 tests/test_attention.py -k "TestMosaicGpu and persistent" \
          | tee "$OUT/pending_7_tests.log"
@@ -101,7 +101,7 @@ if [[ $what == pending ]]; then
        mkdir -p "$OUT/persistent_h128"
        timeout 200 python3 benchmarks/attention_mosaic_config_ab.py "$OUT/persistent_h128" \
          64.128.2.2,64.128.2.2.1 H128 3 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -4 ;;
-    # 8 (2026-12-05 13:55): persistent by default (heuristic, search space,
+    # 8 (2026-12-05 12:38): persistent by default (heuristic, search space,
     # shipped cache): the whole "mosaic" GPU class, then the attention
     # benchmark (forward and forward+backward) against cuDNN and XLA.
     8) JOBS=${JOBS:-8} pt ${TEST_S:-300} tests/test_attention.py -k "TestMosaicGpu" \
