@@ -7,9 +7,11 @@ forward+backward are compiled once each, then timed in ROUNDS alternating
 rounds (default 6), each on freshly allocated random inputs (a new seed),
 20 calls per round, per kernel by CUPTI. With FLAG (a module-level constant
 of tokamax.ops.attention.mosaic, or "triton.NAME" of tokamax.ops.attention.
-triton, which then times "triton" instead) and VALUES (comma-separated
-Python literals), the implementation is compiled once per value and every
-round times each (an A/B per kernel under the same clocks). Environment PAUSE_S: seconds
+triton, which then times "triton" instead, or "vjp.FIELD", a field of the
+"mosaic" backward config, set on the shape's heuristic config, which is
+also the shipped one) and VALUES (comma-separated Python literals), the
+implementation is compiled once per value and every round times each (an
+A/B per kernel under the same clocks). Environment PAUSE_S: seconds
 of idle before each timed round (default 0), so that the software power
 cap's clock drops hit fewer rounds. nvidia-smi samples the SM clock,
 power and throttle reasons every 50 ms meanwhile. Writes each round's
@@ -20,7 +22,9 @@ attention_variance.json.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import datetime
+import functools
 import os
 import statistics
 import subprocess
@@ -97,7 +101,7 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
     impl_name, module, flag = "triton", triton_attn, flag.removeprefix("triton.")
   variants = {impl_name: None}
   if flag:
-    default = getattr(module, flag)
+    default = None if flag.startswith("vjp.") else getattr(module, flag)
     variants = {f"{impl_name} {flag}={v}": v for v in ast.literal_eval(f"[{values}]")}
   log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
   smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_SMI_FIELDS}",
@@ -112,16 +116,24 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
       ours = lambda q, k, v: tokamax.dot_product_attention(
           q, k, v, is_causal=causal, implementation=impl_name)
       fns = {name: ours for name in variants}
+      if flag.startswith("vjp."):  # explicit backward configs
+        base = mosaic_attn.vjp_heuristic_config(t, t, h, h, 2)
+        for name, value in variants.items():
+          op = mosaic_attn.MosaicDotProductAttention(
+              vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=dataclasses.replace(
+                  base, **{flag.removeprefix("vjp."): value})))
+          fns[name] = functools.partial(op, is_causal=causal)
       fns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")
       compiled = {}
       for impl, fn in fns.items():
-        if flag and impl in variants:  # the module reads it while tracing
+        module_flag = flag and not flag.startswith("vjp.")
+        if module_flag and impl in variants:  # the module reads it while tracing
           setattr(module, flag, variants[impl])
         f_std, args = benchmarking.standardize_function(fn, q, kv, kv, mode="forward_and_vjp")
         compiled[impl] = (f_std, jax.jit(f_std).lower(*args).compile())
         del args
-        if flag:
+        if module_flag:
           setattr(module, flag, default)
       for r in range(rounds):
         for impl, (f_std, comp) in compiled.items():

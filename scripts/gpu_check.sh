@@ -108,6 +108,14 @@ if [[ $what == pending ]]; then
          | tee "$OUT/pending_8_tests.log"
        timeout 220 python3 benchmarks/attention.py "$OUT" mosaic,jax.nn 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | tail -16 ;;
+    # 9 (2026-12-05 12:50): the persistent dq kernel (vjp dq_persistent):
+    # its GPU tests, then per-kernel A/B at the shipped VJP configs.
+    9) pt 150 tests/test_attention.py -k "TestMosaicGpu and persistent" \
+         | tee "$OUT/pending_9_tests.log"
+       mkdir -p "$OUT/dq_persistent"
+       PAUSE_S=1 timeout 200 python3 benchmarks/attention_variance.py "$OUT/dq_persistent" 3 \
+         "seed,B8 T4096,GQA" vjp.dq_persistent False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+         | grep "^{" | cut -c1-400 | tail -30 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

@@ -880,6 +880,9 @@ class MosaicAttentionVjpConfig:
   dq_block_kv: int = 64
   dq_num_stages: int = 2
   dq_consumers: int = 2
+  # The dq kernel on one CTA per SM looping over the query tiles (as the
+  # forward's `persistent`).
+  dq_persistent: bool = False
 
   @pydantic.field_validator("block_kv", "block_q", "dq_block_q", "dq_block_kv")
   @classmethod
@@ -927,7 +930,8 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   nc = config.dq_consumers
   dq = r(nc * bq * hp * itemsize, nc * bq * hvp * itemsize,
          nc * bq * 4, nc * bq * 4, st * bk * hp * itemsize,
-         st * bk * hvp * itemsize, interpret and nc * bq * bk * itemsize)
+         st * bk * hvp * itemsize, interpret and nc * bq * bk * itemsize,
+         config.dq_persistent and nc * bq * hp * itemsize)
   return dkdv, dq
 
 
@@ -1142,12 +1146,16 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         lambda s: plgpu.barrier_wait(free.at[slot_of(s)]))
 
 
-def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: bool):
+def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
+               interpret: bool):
   """dq for nc * bq query rows of one (batch, head): WG nc streams the key
   and value blocks the rows see (the forward's ring); WGs 0 .. nc-1 recompute
   p = exp(logits - lse) and ds = p (dp - D) for bq rows each, dq += ds k.
   The consumers run unsynchronised (no turns): each waits for a block, uses
-  it and frees it."""
+  it and frees it. ctas > 0: persistent, as the forward (`_fwd_kernel`):
+  the ring runs on across tiles, a consumer prefetches its next Q, dO, lse
+  and D once its last step's products have run, dq leaves through its own
+  buffer."""
   it = iter(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
   bias_ref = next(it) if sp.bias_dims is not None else None
@@ -1155,19 +1163,48 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
   q_len_ref = next(it) if sp.has_q_len else None
   kv_len_ref = next(it) if sp.has_kv_len else None
   dq_ref, dbias_ref = next(it), next(it)  # dbias: f32 [B, N, T, S] or None
-  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, t_smem, q_ready,
-   ready, free) = it
+  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, t_smem, dq_smem,
+   q_ready, ready, free) = it
   dtype = q_ref.dtype
-  b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi = _query_cta(
-      sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc)
+  if ctas:
+    wg = lax.axis_index("wg")
+    bsz, tq, heads, _ = q_ref.shape
+    count, tile = _persistent_tiles(bsz * heads * pl.cdiv(tq, nc * bq), ctas)
 
-  def slot_of(j):
-    return lax.rem(j - lo, jnp.int32(stages))
+    def query_tile(i):
+      return _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, tile(i))
+  else:  # this CTA's tile
+    count, cta = 1, _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc)
+    wg = cta[2]
 
-  @pl.when(wg < nc)
-  def _consumer():
-    if not interpret:
-      plgpu.set_max_registers(_consumer_regs(nc), action="increase")
+    def query_tile(i):
+      del i
+      return cta
+
+  def ring(lo, k0):
+    """Key block j's ring slot; k0: the blocks streamed for earlier tiles."""
+    start = lo if k0 is None else lo - k0
+    return lambda j: lax.rem(j - start, jnp.int32(stages))
+
+  q_t, do_t = q_smem.at[wg], do_smem.at[wg]
+
+  def load_rows(b, n, r0):
+    rows, stats = (b, pl.ds(r0, bq), n), (b, n, pl.ds(r0, bq))
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_t, q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_t, q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], q_ready.at[wg])
+
+  def prefetch_rows(i):
+    """Persistent: tile i + 1's rows, once this WG's last products have run."""
+    @pl.when(i + 1 < count)
+    def _():
+      b, n, _, _, _, _, cta0, _, _ = query_tile(i + 1)
+      load_rows(b, n, cta0 + wg * bq)
+
+  def consumer_tile(i, k0):
+    b, n, _, kh, q_lim, kv_lim, cta0, lo, hi = query_tile(i)
+    slot_of = ring(lo, k0)
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
@@ -1175,13 +1212,9 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
     # half step (ds k's contraction stays a multiple of 64: bk >= 128).
     if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
       segments = _split_last_half(sp, segments, r0, bq, bk, q_lim, kv_lim)
-    q_t, do_t = q_smem.at[wg], do_smem.at[wg]
     rows = (b, pl.ds(r0, bq), n)
-    stats = (b, n, pl.ds(r0, bq))
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_t, q_ready.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_t, q_ready.at[wg])
-    plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], q_ready.at[wg])
-    plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], q_ready.at[wg])
+    if not ctas:
+      load_rows(b, n, r0)
     plgpu.barrier_wait(q_ready.at[wg])
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse_rows = plgpu.load(lse_smem.at[wg], layout=row_layout)
@@ -1195,6 +1228,10 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
     def write_zeros(j):
       dbias_tile(j)[...] = plgpu.layout_cast(
           jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
+
+    def last_products_done(j):
+      if ctas:
+        pl.when(j == hi - 1)(lambda: prefetch_rows(i))
 
     load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
                               pl.cdiv(sp.s, bk) - 1, (bq, bk))
@@ -1217,6 +1254,7 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
         shape = lse_b.shape
         bias, mask = tiles
         qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], shape)
+        last_products_done(j)
         band = None
         if mode != "full":
           band = _row_band(sp, r0, j * bk, shape, q_lim, kv_lim)
@@ -1227,8 +1265,10 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
         if dbias_ref is not None:
           dbias_tile(j)[...] = ds
         dq = _accumulate(dq, ds.astype(dtype), k_t, t_tile, interpret)
-      elif dbias_ref is not None:
-        write_zeros(j)
+      else:
+        last_products_done(j)
+        if dbias_ref is not None:
+          write_zeros(j)
       plgpu.barrier_arrive(free.at[slot])
       return dq, nxt
 
@@ -1236,6 +1276,8 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
              load_tiles(n, lo))
     for start, stop, mode in segments:
       carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
+    if ctas:  # a tile without key blocks: the rows' buffers are not in use
+      pl.when(lo >= hi)(lambda: prefetch_rows(i))
     dq, _ = carry
     if dbias_ref is not None:  # zeros in the key blocks the rows never see
       # lo (= hi) passes the last key block for rows past every key (a left
@@ -1246,15 +1288,32 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
     # Rows >= q_lim (lse = +inf there) get 0.
     qrows = r0 + plgpu.broadcasted_iota(
         jnp.int32, dq.shape, 0, layout=plgpu.Layout.WGMMA)
-    q_t[...] = jnp.where(qrows < q_lim, dq * sp.scale, 0.0).astype(dtype)
+    if ctas:  # the previous tile's store has read dq's buffer
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_t = dq_smem.at[wg] if ctas else q_t
+    out_t[...] = jnp.where(qrows < q_lim, dq * sp.scale, 0.0).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_t, dq_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.copy_smem_to_gmem(out_t, dq_ref.at[rows])
+    if not ctas:
+      plgpu.wait_smem_to_gmem(0)
+      return None
+    return k0 + jnp.maximum(hi - lo, 0)
 
-  @pl.when(wg == nc)
-  def _producer():
+  @pl.when(wg < nc)
+  def _consumer():
     if not interpret:
-      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+      plgpu.set_max_registers(_consumer_regs(nc), action="increase")
+    if ctas:
+      b, n, _, _, _, _, cta0, _, _ = query_tile(0)
+      load_rows(b, n, cta0 + wg * bq)
+      lax.fori_loop(0, count, consumer_tile, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0)
+    else:
+      consumer_tile(0, None)
+
+  def producer_tile(i, k0):
+    b, _, _, kh, _, _, _, lo, hi = query_tile(i)
+    slot_of = ring(lo, k0)
 
     def issue(j, wait):
       slot = slot_of(j)
@@ -1264,9 +1323,25 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, interpret: boo
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], ready.at[slot])
 
-    first = jnp.minimum(lo + stages, hi)
+    # The ring's first `stages` blocks (over all tiles) go into empty slots.
+    fill = stages if k0 is None else jnp.maximum(stages - k0, 0)
+    first = jnp.minimum(lo + fill, hi)
     pl.loop(lo, first)(lambda j: issue(j, False))
     pl.loop(first, hi)(lambda j: issue(j, True))
+    if k0 is None:
+      return lo, hi
+    return k0 + jnp.maximum(hi - lo, 0)
+
+  @pl.when(wg == nc)
+  def _producer():
+    if not interpret:
+      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+    if ctas:
+      blocks = lax.fori_loop(0, count, producer_tile, jnp.int32(0))
+      lo, hi, slot_of = jnp.int32(0), blocks, ring(jnp.int32(0), None)
+    else:
+      lo, hi = producer_tile(0, None)
+      slot_of = ring(lo, None)
     pl.loop(jnp.maximum(lo, hi - stages), hi)(
         lambda j: plgpu.barrier_wait(free.at[slot_of(j)]))
 
@@ -1349,9 +1424,10 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
 
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
   nq = pl.cdiv(tq, dq_nc * bq)
+  dq_ctas = min(bsz * n * nq, PERSISTENT_CTAS) if config.dq_persistent else 0
   dq, dbias = plgpu.kernel(
       functools.partial(_dq_kernel, sp=sp, bq=bq, bk=bk, stages=st, nc=dq_nc,
-                        interpret=interpret),
+                        ctas=dq_ctas, interpret=interpret),
       out_type=[
           jax.ShapeDtypeStruct((bsz, tq, n, hp), dtype),
           jax.ShapeDtypeStruct((bsz, n, nq * dq_nc * bq, _round_up(s, bk)),
@@ -1366,11 +1442,13 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
           plgpu.SMEM((st, bk, hp), dtype),
           plgpu.SMEM((st, bk, hvp), dtype),
           plgpu.SMEM((dq_nc, bq, bk), dtype) if interpret else None,
+          plgpu.SMEM((dq_nc, bq, hp), dtype) if dq_ctas else None,  # dq out
           plgpu.Barrier(num_arrivals=4, num_barriers=dq_nc),  # q_ready
           plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
           plgpu.Barrier(num_arrivals=dq_nc, num_barriers=st),  # free
       ],
-      **_cta_grid(bsz, n, nq),
+      **(dict(grid=(dq_ctas,), grid_names=("cta",)) if dq_ctas
+         else _cta_grid(bsz, n, nq)),
       num_threads=dq_nc + 1,
       kernel_name="tokamax_attention_bwd_dq_mosaic",
       **common,
