@@ -106,8 +106,8 @@ if [[ $what == pending ]]; then
     # benchmark (forward and forward+backward) against cuDNN and XLA.
     8) JOBS=${JOBS:-8} pt ${TEST_S:-300} tests/test_attention.py -k "TestMosaicGpu" \
          | tee "$OUT/pending_8_tests.log"
-       timeout 220 python3 benchmarks/attention.py "$OUT" mosaic,jax.nn 2>&1 \
-         | grep -v "cuda_timer\|Delay kernel" | tail -16 ;;
+       timeout ${BENCH_S:-220} python3 benchmarks/attention.py "$OUT" mosaic,jax.nn 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/attention_bench.log" | tail -16 ;;
     # 9 (2026-12-05 12:50): the persistent dq kernel (vjp dq_persistent):
     # its GPU tests, then per-kernel A/B at the shipped VJP configs.
     9) pt 150 tests/test_attention.py -k "TestMosaicGpu and persistent" \
