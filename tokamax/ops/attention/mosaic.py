@@ -302,6 +302,83 @@ def _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq: int, bk: int,
   return b, n, wg, kh, q_lim, kv_lim, cta0, lo, hi
 
 
+def _query_tiles(sp, q_ref, q_len_ref, kv_len_ref, bq: int, bk: int, nc: int,
+                 ctas: int):
+  """(this WG's index, the CTA's tile count, i -> `_query_cta` of its i-th
+  tile) for the query-tile kernels: `ctas` persistent CTAs
+  (`_persistent_tiles`), or (ctas = 0) one tile per CTA, computed once."""
+  if ctas:
+    bsz, tq, heads, _ = q_ref.shape
+    count, tile = _persistent_tiles(bsz * heads * pl.cdiv(tq, nc * bq), ctas)
+    return lax.axis_index("wg"), count, lambda i: _query_cta(
+        sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, tile(i))
+  cta = _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc)
+  return cta[2], 1, lambda i: cta
+
+
+def _ring(lo, k0, stages: int):
+  """j -> key block j's ring slot for a tile whose blocks start at lo; k0:
+  the blocks streamed for the CTA's earlier tiles (None: a one-tile CTA)."""
+  start = lo if k0 is None else lo - k0
+  return lambda j: lax.rem(j - start, jnp.int32(stages))
+
+
+def _run_producer(query_tile, count, ctas: int, stages: int, issue, drain,
+                  interpret: bool):
+  """The producer WG: its registers lowered, every key block of the CTA's
+  tiles through issue(b, kv head, j, slot, wait_free); the ring's first
+  `stages` blocks (over all tiles) go into empty slots. Then drain(slot)
+  for the last `stages` blocks (the interpreter checks that every waiter
+  saw every barrier phase; on the GPU this only idles the producer)."""
+  if not interpret:
+    plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+
+  def tile_fn(i, k0):
+    b, _, _, kh, _, _, _, lo, hi = query_tile(i)
+    slot_of = _ring(lo, k0, stages)
+    step = lambda j, wait: issue(b, kh, j, slot_of(j), wait)
+    fill = stages if k0 is None else jnp.maximum(stages - k0, 0)
+    first = jnp.minimum(lo + fill, hi)
+    pl.loop(lo, first)(lambda j: step(j, False))
+    pl.loop(first, hi)(lambda j: step(j, True))
+    return (lo, hi) if k0 is None else k0 + jnp.maximum(hi - lo, 0)
+
+  if ctas:
+    lo, start = jnp.int32(0), jnp.int32(0)
+    hi = lax.fori_loop(0, count, tile_fn, jnp.int32(0))
+  else:
+    lo, hi = tile_fn(0, None)
+    start = lo
+  slot_of = _ring(start, None, stages)
+  pl.loop(jnp.maximum(lo, hi - stages), hi)(lambda j: drain(slot_of(j)))
+
+
+def _tile_rows(query_tile, count, wg, bq: int, load):
+  """Persistent consumers: (load the first tile's rows, i -> prefetch tile
+  i + 1's rows if there is one); load(b, n, the WG's first row) issues a
+  consumer's row copies."""
+
+  def rows_of(i):
+    b, n, _, _, _, _, cta0, _, _ = query_tile(i)
+    load(b, n, cta0 + wg * bq)
+
+  return lambda: rows_of(0), lambda i: pl.when(i + 1 < count)(lambda: rows_of(i + 1))
+
+
+def _run_consumer(tile_fn, count, ctas: int, load_first, nc: int, interpret: bool):
+  """Consumer of nc: its registers raised, tile_fn(i, k0) over the CTA's
+  tiles; persistent, its first rows loaded first (later ones prefetched by
+  tile_fn) and its last stores waited for at the end."""
+  if not interpret:
+    plgpu.set_max_registers(_consumer_regs(nc), action="increase")
+  if not ctas:
+    tile_fn(0, None)
+    return
+  load_first()
+  lax.fori_loop(0, count, tile_fn, jnp.int32(0))
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _clamp_ranges(wg_ranges, lo, hi):
   """A WG's (lo, a, c, hi) inside the CTA's [lo, hi): rows (or keys) past
   the limits give empty ranges that may start anywhere."""
@@ -492,20 +569,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
   if o_smem is None:
     o_smem = q_smem
   dtype = q_ref.dtype
-  if ctas:
-    wg = lax.axis_index("wg")
-    bsz, tq, heads, _ = q_ref.shape
-    count, tile = _persistent_tiles(bsz * heads * pl.cdiv(tq, nc * bq), ctas)
-
-    def query_tile(i):
-      return _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, tile(i))
-  else:  # this CTA's tile
-    count, cta = 1, _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc)
-    wg = cta[2]
-
-    def query_tile(i):
-      del i
-      return cta
+  wg, count, query_tile = _query_tiles(
+      sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, ctas)
 
   # Tensor-core turns. A turn issues a step's P V and the next step's Q K^T.
   # Two consumers: a rendezvous barrier (2 arrivals) after each Q K^T issue
@@ -531,25 +596,16 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_wait(sched.at[wg])
 
-  def ring(lo, k0):
-    """Key block j's ring slot; k0: the blocks streamed for earlier tiles."""
-    start = lo if k0 is None else lo - k0
-    return lambda j: lax.rem(j - start, jnp.int32(stages))
-
   def load_q(b, n, r0):
     plgpu.copy_gmem_to_smem(
         q_ref.at[b, pl.ds(r0, bq), n], q_smem.at[wg], q_ready.at[wg])
 
-  def prefetch_q(i):
-    """Persistent: tile i + 1's Q, once this WG's last Q K^T has run."""
-    @pl.when(i + 1 < count)
-    def _():
-      b, n, _, _, _, _, cta0, _, _ = query_tile(i + 1)
-      load_q(b, n, cta0 + wg * bq)
+  # Persistent: tile i + 1's Q goes out once this WG's last Q K^T has run.
+  load_first, prefetch_q = _tile_rows(query_tile, count, wg, bq, load_q)
 
   def consumer_tile(i, k0):
     b, n, _, kh, q_lim, kv_lim, cta0, lo, hi = query_tile(i)
-    slot_of = ring(lo, k0)
+    slot_of = _ring(lo, k0, stages)
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
@@ -734,66 +790,26 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     if ctas:
       return k0 + jnp.maximum(hi - lo, 0)
 
-  @pl.when(wg < nc)
-  def _consumer():
-    if not interpret:
-      plgpu.set_max_registers(_consumer_regs(nc), action="increase")
-    if ctas:
-      b, n, _, _, _, _, cta0, _, _ = query_tile(0)
-      load_q(b, n, cta0 + wg * bq)
-      lax.fori_loop(0, count, consumer_tile, jnp.int32(0))
-      plgpu.wait_smem_to_gmem(0)
-    else:
-      consumer_tile(0, None)
+  pl.when(wg < nc)(lambda: _run_consumer(
+      consumer_tile, count, ctas, load_first, nc, interpret))
 
-  def producer_tile(i, k0):
-    b, _, _, kh, _, _, _, lo, hi = query_tile(i)
-    slot_of = ring(lo, k0)
+  def issue(b, kh, j, slot, barrier_wait):
+    rows = (b, pl.ds(j * bk, bk), kh)
+    if barrier_wait:
+      with jax.named_scope("k_free_wait"):
+        plgpu.barrier_wait(k_free.at[slot])
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+    if barrier_wait:
+      with jax.named_scope("v_free_wait"):
+        plgpu.barrier_wait(v_free.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-    def issue(j, slot, barrier_wait):
-      rows = (b, pl.ds(j * bk, bk), kh)
-      if barrier_wait:
-        with jax.named_scope("k_free_wait"):
-          plgpu.barrier_wait(k_free.at[slot])
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-      if barrier_wait:
-        with jax.named_scope("v_free_wait"):
-          plgpu.barrier_wait(v_free.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+  def drain(slot):
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
 
-    # The ring's first `stages` blocks (over all tiles) go into empty slots.
-    fill = stages if k0 is None else jnp.maximum(stages - k0, 0)
-    first = jnp.minimum(lo + fill, hi)
-
-    @pl.loop(lo, first)
-    def _fill(j):
-      issue(j, slot_of(j), False)
-
-    @pl.loop(first, hi)
-    def _stream(j):
-      issue(j, slot_of(j), True)
-
-    if k0 is None:
-      return lo, hi
-    return k0 + jnp.maximum(hi - lo, 0)
-
-  @pl.when(wg == nc)
-  def _producer():
-    if not interpret:
-      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
-    if ctas:
-      blocks = lax.fori_loop(0, count, producer_tile, jnp.int32(0))
-      lo, hi, slot_of = jnp.int32(0), blocks, ring(jnp.int32(0), None)
-    else:
-      lo, hi = producer_tile(0, None)
-      slot_of = ring(lo, None)
-
-    # Wait out the last phases of the free barriers (the interpreter checks
-    # that every waiter saw every phase; on the GPU this only idles WG C).
-    @pl.loop(jnp.maximum(lo, hi - stages), hi)
-    def _drain(j):
-      plgpu.barrier_wait(k_free.at[slot_of(j)])
-      plgpu.barrier_wait(v_free.at[slot_of(j)])
+  pl.when(wg == nc)(lambda: _run_producer(
+      query_tile, count, ctas, stages, issue, drain, interpret))
 
 
 def attention_forward(args, config: MosaicAttentionConfig, return_residuals: bool):
@@ -1170,25 +1186,8 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
   (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, t_smem, dq_smem,
    q_ready, ready, free) = it
   dtype = q_ref.dtype
-  if ctas:
-    wg = lax.axis_index("wg")
-    bsz, tq, heads, _ = q_ref.shape
-    count, tile = _persistent_tiles(bsz * heads * pl.cdiv(tq, nc * bq), ctas)
-
-    def query_tile(i):
-      return _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, tile(i))
-  else:  # this CTA's tile
-    count, cta = 1, _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc)
-    wg = cta[2]
-
-    def query_tile(i):
-      del i
-      return cta
-
-  def ring(lo, k0):
-    """Key block j's ring slot; k0: the blocks streamed for earlier tiles."""
-    start = lo if k0 is None else lo - k0
-    return lambda j: lax.rem(j - start, jnp.int32(stages))
+  wg, count, query_tile = _query_tiles(
+      sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, ctas)
 
   q_t, do_t = q_smem.at[wg], do_smem.at[wg]
 
@@ -1199,16 +1198,12 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
     plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], q_ready.at[wg])
     plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], q_ready.at[wg])
 
-  def prefetch_rows(i):
-    """Persistent: tile i + 1's rows, once this WG's last products have run."""
-    @pl.when(i + 1 < count)
-    def _():
-      b, n, _, _, _, _, cta0, _, _ = query_tile(i + 1)
-      load_rows(b, n, cta0 + wg * bq)
+  # Persistent: tile i + 1's rows go out once this WG's last products have run.
+  load_first, prefetch_rows = _tile_rows(query_tile, count, wg, bq, load_rows)
 
   def consumer_tile(i, k0):
     b, n, _, kh, q_lim, kv_lim, cta0, lo, hi = query_tile(i)
-    slot_of = ring(lo, k0)
+    slot_of = _ring(lo, k0, stages)
     r0 = cta0 + wg * bq
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, q_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
@@ -1303,51 +1298,19 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
       return None
     return k0 + jnp.maximum(hi - lo, 0)
 
-  @pl.when(wg < nc)
-  def _consumer():
-    if not interpret:
-      plgpu.set_max_registers(_consumer_regs(nc), action="increase")
-    if ctas:
-      b, n, _, _, _, _, cta0, _, _ = query_tile(0)
-      load_rows(b, n, cta0 + wg * bq)
-      lax.fori_loop(0, count, consumer_tile, jnp.int32(0))
-      plgpu.wait_smem_to_gmem(0)
-    else:
-      consumer_tile(0, None)
+  pl.when(wg < nc)(lambda: _run_consumer(
+      consumer_tile, count, ctas, load_first, nc, interpret))
 
-  def producer_tile(i, k0):
-    b, _, _, kh, _, _, _, lo, hi = query_tile(i)
-    slot_of = ring(lo, k0)
+  def issue(b, kh, j, slot, wait):
+    if wait:
+      plgpu.barrier_wait(free.at[slot])
+    rows = (b, pl.ds(j * bk, bk), kh)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], ready.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], ready.at[slot])
 
-    def issue(j, wait):
-      slot = slot_of(j)
-      if wait:
-        plgpu.barrier_wait(free.at[slot])
-      rows = (b, pl.ds(j * bk, bk), kh)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], ready.at[slot])
-
-    # The ring's first `stages` blocks (over all tiles) go into empty slots.
-    fill = stages if k0 is None else jnp.maximum(stages - k0, 0)
-    first = jnp.minimum(lo + fill, hi)
-    pl.loop(lo, first)(lambda j: issue(j, False))
-    pl.loop(first, hi)(lambda j: issue(j, True))
-    if k0 is None:
-      return lo, hi
-    return k0 + jnp.maximum(hi - lo, 0)
-
-  @pl.when(wg == nc)
-  def _producer():
-    if not interpret:
-      plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
-    if ctas:
-      blocks = lax.fori_loop(0, count, producer_tile, jnp.int32(0))
-      lo, hi, slot_of = jnp.int32(0), blocks, ring(jnp.int32(0), None)
-    else:
-      lo, hi = producer_tile(0, None)
-      slot_of = ring(lo, None)
-    pl.loop(jnp.maximum(lo, hi - stages), hi)(
-        lambda j: plgpu.barrier_wait(free.at[slot_of(j)]))
+  pl.when(wg == nc)(lambda: _run_producer(
+      query_tile, count, ctas, stages, issue,
+      lambda slot: plgpu.barrier_wait(free.at[slot]), interpret))
 
 
 def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpConfig,
