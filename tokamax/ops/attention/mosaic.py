@@ -248,9 +248,15 @@ def _limits(sp, q_len_ref, kv_len_ref, b):
   return q_lim, kv_lim
 
 
-def _cta_grid(bsz: int, heads: int, blocks: int):
-  """`plgpu.kernel` grid arguments of a flat grid read by `_cta_coords`."""
-  return dict(grid=(bsz * heads * blocks,), grid_names=("cta",))
+def _cta_grid(bsz: int, heads: int, blocks: int, ctas: int = 0):
+  """`plgpu.kernel` grid arguments of a flat grid read by `_cta_coords`, or
+  of `ctas` persistent CTAs (`_persistent_tiles`)."""
+  return dict(grid=(ctas or bsz * heads * blocks,), grid_names=("cta",))
+
+
+def _persistent_ctas(tiles: int, persistent: bool) -> int:
+  """CTAs of a persistent grid over `tiles` tiles, 0 for one CTA per tile."""
+  return min(tiles, PERSISTENT_CTAS) if persistent else 0
 
 
 def _cta_coords(sp, bsz: int, heads: int, blocks: int, p=None):
@@ -860,8 +866,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       jax.ShapeDtypeStruct((bsz, n, nq * cta_rows), jnp.float32)
       if return_residuals else None,
   ]
-  tiles_total = bsz * n * nq
-  ctas = min(tiles_total, PERSISTENT_CTAS) if config.persistent else 0
+  ctas = _persistent_ctas(bsz * n * nq, config.persistent)
   kernel = plgpu.kernel(
       functools.partial(
           _fwd_kernel, sp=sp, bq=bq, bk=bk, stages=stages, hp=hp, hvp=hvp,
@@ -870,7 +875,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       scratch_types=scratch,
       # CTAs running together are query tiles of a few heads and share their
       # K/V blocks in L2 (`_cta_coords`).
-      **(dict(grid=(ctas,), grid_names=("cta",)) if ctas else _cta_grid(bsz, n, nq)),
+      **_cta_grid(bsz, n, nq, ctas),
       num_threads=nc + 1,
       thread_name="wg",
       compiler_params=pallas_mosaic.compiler_params(approx_math=True),
@@ -1391,7 +1396,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
 
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
   nq = pl.cdiv(tq, dq_nc * bq)
-  dq_ctas = min(bsz * n * nq, PERSISTENT_CTAS) if config.dq_persistent else 0
+  dq_ctas = _persistent_ctas(bsz * n * nq, config.dq_persistent)
   dq, dbias = plgpu.kernel(
       functools.partial(_dq_kernel, sp=sp, bq=bq, bk=bk, stages=st, nc=dq_nc,
                         ctas=dq_ctas, interpret=interpret),
@@ -1414,8 +1419,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
           plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
           plgpu.Barrier(num_arrivals=dq_nc, num_barriers=st),  # free
       ],
-      **(dict(grid=(dq_ctas,), grid_names=("cta",)) if dq_ctas
-         else _cta_grid(bsz, n, nq)),
+      **_cta_grid(bsz, n, nq, dq_ctas),
       num_threads=dq_nc + 1,
       kernel_name="tokamax_attention_bwd_dq_mosaic",
       **common,
