@@ -119,6 +119,15 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout 200 python3 benchmarks/attention_variance.py "$OUT/dq_persistent" 3 \
          "seed,B8 T4096,GQA" vjp.dq_persistent False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" \
          | grep "^{" | cut -c1-400 | tail -30 ;;
+    # 10 (2026-12-05 15:40): the persistent dk/dv kernel (vjp
+    # dkdv_persistent): the persistent GPU tests (all three kernels), then
+    # per-kernel A/B at the shipped VJP configs.
+    10) pt 150 tests/test_attention.py -k "TestMosaicGpu and persistent" \
+         | tee "$OUT/pending_10_tests.log"
+       mkdir -p "$OUT/dkdv_persistent"
+       PAUSE_S=1 timeout 240 python3 benchmarks/attention_variance.py "$OUT/dkdv_persistent" 3 \
+         "seed,B8 T4096,GQA" vjp.dkdv_persistent False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+         | grep "^{" | cut -c1-300 | tail -30 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

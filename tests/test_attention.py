@@ -792,19 +792,20 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
       ("t_ne_s_causal", 2, 128, 2), ("window_left_right", 3, 64, 2),
       ("q_lens", 2, 64, 5), ("plain", 3, 64, 4), ("bias_full", 2, 64, 2)])
   def test_persistent(self, monkeypatch, feature, consumers, bk, ctas):
-    """The persistent forward and dq kernels (config.persistent,
-    dq_persistent) on `ctas` CTAs looping over 8-24 query tiles: the K/V
-    ring running on across tiles (2 slots, tiles of 0 to 5 key blocks), the
-    next rows prefetched, stores of one tile in flight under the next, tiles
-    with no visible key, the boustrophedon rounds (a last round of 0 to 3
-    tiles); with heavy-first bands of 2 (four SMs)."""
+    """The persistent forward, dq and dk/dv kernels (config.persistent,
+    dq_persistent, dkdv_persistent) on `ctas` CTAs looping over 8-24 query
+    tiles and 8-12 key tiles: the ring running on across tiles (2 slots,
+    tiles of 0 to 5 blocks), the next rows (K/V) prefetched, stores of one
+    tile in flight under the next, tiles with no visible key (query), the
+    boustrophedon rounds (a last round of 0 to 3 tiles); with heavy-first
+    bands of 2 (four SMs)."""
     monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", ctas)
     monkeypatch.setattr(mosaic_attn, "HEAVY_FIRST_BAND", 2)
     monkeypatch.setattr(triton_attn, "SMS", 4)
     self.op = _mosaic_op(block_q=64, block_kv=bk, num_stages=2,
                          consumers=consumers, persistent=True,
                          vjp=dict(dq_block_kv=bk, dq_consumers=consumers,
-                                  dq_persistent=True))
+                                  dq_persistent=True, dkdv_persistent=True))
     c = FEATURES[feature]
     self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
                BF16, feature)
@@ -953,13 +954,14 @@ def test_mosaic_three_consumers_lower_for_cuda(causal):
     ((32, 2048, 16, 16, 64), 3), ((8, 4096, 16, 16, 128), 2),
     ((4, 4096, 32, 8, 128), 2)])
 def test_mosaic_persistent_lowers_for_cuda(shape, consumers, causal):
-  """The persistent forward (with the lse residual) and dq kernels lower at
-  the benchmark shapes, in a gradient with the per-tile dk/dv kernel."""
+  """The persistent forward (with the lse residual), dq and dk/dv kernels
+  lower at the benchmark shapes, in a gradient."""
   b, t, n, kh, h = shape
   q = jax.ShapeDtypeStruct((b, t, n, h), BF16)
   kv = jax.ShapeDtypeStruct((b, t, kh, h), BF16)
   op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
-                  persistent=True, vjp=dict(dq_consumers=consumers, dq_persistent=True))
+                  persistent=True, vjp=dict(dq_consumers=consumers, dq_persistent=True,
+                                            dkdv_persistent=True))
   loss = lambda q, k, v: jnp.sum(op(q, k, v, is_causal=causal).astype(F32))
   with tokamax.config.cross_compile("NVIDIA H200"):
     text = _lower_text(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
@@ -1141,12 +1143,13 @@ class TestMosaicGpu(AttentionTestBase):
   @pytest.mark.parametrize("shape, consumers", [
       ((4, 2048, 8, 8, 64), 3), ((2, 4096, 8, 4, 128), 2), ((2, 1500, 6, 2, 80), 2)])
   def test_persistent_real_size(self, shape, causal, consumers):
-    """The persistent forward and dq kernels on 132 CTAs, 2-6 query tiles
-    each."""
+    """The persistent forward, dq and dk/dv kernels on 132 CTAs, 2-6 query
+    tiles (1-4 key tiles) each."""
     b, t, n, kh, h = shape
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          consumers=consumers, persistent=True,
-                         vjp=dict(dq_consumers=consumers, dq_persistent=True))
+                         vjp=dict(dq_consumers=consumers, dq_persistent=True,
+                                  dkdv_persistent=True))
     self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h, q_lens=not causal,
                     kv_lens=not causal, kwargs=(("is_causal", causal),)), BF16)
 

@@ -92,12 +92,12 @@ def test_fuzz_triton_attention(t, s, bq, bk, window, h, parts, dtype, kh, g, cau
 )
 def test_fuzz_mosaic_attention(t, s, stages, window, h, consumers, bk, dq_consumers,
                                ctas, kh, g, causal, bias, mask, lens, cap, hv):
-  """ctas > 0: the persistent forward and dq kernels on that many CTAs."""
+  """ctas > 0: the persistent forward, dq and dk/dv kernels on that many CTAs."""
   bias = min(bias, _BIASES - 2)  # bf16 only (see _BIASES)
   op = ta._mosaic_op(
       vjp=dict(block_kv=64, block_q=64, num_stages=stages, dq_block_q=64,
                dq_block_kv=64, dq_num_stages=stages, dq_consumers=dq_consumers,
-               dq_persistent=ctas > 0),
+               dq_persistent=ctas > 0, dkdv_persistent=ctas > 0),
       block_q=64, block_kv=bk, num_stages=stages, consumers=consumers,
       persistent=ctas > 0)
   with pytest.MonkeyPatch.context() as mp, ta.pallas_mosaic.interpret_mode():

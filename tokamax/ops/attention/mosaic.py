@@ -908,6 +908,9 @@ class MosaicAttentionVjpConfig:
   # The dq kernel on one CTA per SM looping over the query tiles (as the
   # forward's `persistent`).
   dq_persistent: bool = False
+  # The dk/dv kernel on one CTA per SM looping over the key tiles, its K/V
+  # double buffered (`_dkdv_kernel`).
+  dkdv_persistent: bool = False
 
   @pydantic.field_validator("block_kv", "block_q", "dq_block_q", "dq_block_kv")
   @classmethod
@@ -948,7 +951,9 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   """Shared memory of the (dk/dv, dq) kernels (each buffer 1 KiB aligned)."""
   r = lambda *xs: sum(_round_up(x, 1024) for x in xs if x) + 2560
   bk, bq, st = config.block_kv, config.block_q, config.num_stages
-  dkdv = r(_CONSUMERS * bk * hp * itemsize, _CONSUMERS * bk * hvp * itemsize,
+  kv_bufs = 2 if config.dkdv_persistent else 1
+  dkdv = r(kv_bufs * _CONSUMERS * bk * hp * itemsize,
+           kv_bufs * _CONSUMERS * bk * hvp * itemsize,
            st * bq * hp * itemsize, st * bq * hvp * itemsize, st * bq * 4,
            st * bq * 4, interpret and _CONSUMERS * bk * bq * itemsize)
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
@@ -1011,12 +1016,32 @@ def _bwd_probabilities(sp, qk, lse2, band, bias, mask):
   return p, tanh
 
 
+def _key_cta(sp, k_ref, q_len_ref, kv_len_ref, bk: int, bq: int, p=None):
+  """Ids and ranges of a CTA of 2 * bk keys on the flat grid of `_cta_grid`
+  (p: the tile, default this CTA's): (b, kv head, q_lim, kv_lim, first key,
+  query blocks [lo, hi) that see the keys)."""
+  bsz, tk, kv_heads, _ = k_ref.shape
+  nk = pl.cdiv(tk, _CONSUMERS * bk)
+  # Causal/right window: key CTA 0 sees the most query rows (rank 0).
+  b, kh, ki = _cta_coords(sp, bsz, kv_heads, nk, p)
+  q_lim, kv_lim = _limits(sp, q_len_ref, kv_len_ref, b)
+  cta0 = ki * (_CONSUMERS * bk)
+  # Query blocks seeing the keys; "full" ones have every row < q_lim seeing
+  # every key (see triton._query_blocks: the transposed ranges).
+  lo, _, _, hi = triton.blocks_seen(
+      cta0, _CONSUMERS * bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True)
+  return b, kh, q_lim, kv_lim, cta0, lo, hi
+
+
 def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
-                 want_dv: bool, interpret: bool):
+                 want_dv: bool, ctas: int, interpret: bool):
   """dk, dv for 2 * bk keys of one (batch, kv head) (FlashAttention-2 Alg. 2,
   key-major): WG 2 streams (q, do, lse, delta) tiles of the G query heads
   and the query blocks that see the keys; WGs 0/1 keep their bk keys and
-  values in SMEM and dk, dv in registers."""
+  values in SMEM and dk, dv in registers. ctas > 0: persistent
+  (`_persistent_tiles`); the ring runs on across key tiles, K/V are double
+  buffered (a consumer loads tile i + 1's once tile i's first step has run)
+  and dk/dv leave through the K/V buffer under the next tile."""
   it = iter(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
   bias_ref = next(it) if sp.bias_dims is not None else None  # [b, n, S, T]
@@ -1024,43 +1049,62 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
   q_len_ref = next(it) if sp.has_q_len else None
   kv_len_ref = next(it) if sp.has_kv_len else None
   dk_ref, dv_ref = next(it), next(it)
+  # k_smem, v_smem: [K/V buffers (2 if persistent), consumers, bk, H];
+  # kv_ready: one per (buffer, consumer).
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, t_smem, kv_ready,
    ready, free) = it
   dtype = q_ref.dtype
   fuse_dkdv = k_smem.shape[-1] + v_smem.shape[-1] <= FUSE_DKDV_MAX_WIDTH
   bsz, tk, kv_heads, _ = k_ref.shape
-  nk = pl.cdiv(tk, _CONSUMERS * bk)
-  # Causal/right window: key CTA 0 sees the most query rows (rank 0).
-  b, kh, ki = _cta_coords(sp, bsz, kv_heads, nk)
   wg = lax.axis_index("wg")
-  q_lim, kv_lim = _limits(sp, q_len_ref, kv_len_ref, b)
-  cta0 = ki * (_CONSUMERS * bk)
-  # Query blocks seeing the keys; "full" ones have every row < q_lim seeing
-  # every key (see triton._query_blocks: the transposed ranges).
-  lo, _, _, hi = triton.blocks_seen(
-      cta0, _CONSUMERS * bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True)
-  per_head = hi - lo
+  key_cta = functools.partial(_key_cta, sp, k_ref, q_len_ref, kv_len_ref, bk, bq)
+  if ctas:
+    count, tile = _persistent_tiles(bsz * kv_heads * pl.cdiv(tk, _CONSUMERS * bk), ctas)
+    key_tile = lambda i: key_cta(tile(i))
+  else:
+    cta, count = key_cta(), 1
+    key_tile = lambda i: cta
 
   def slot_of(step):
     return lax.rem(step, jnp.int32(stages))
 
-  @pl.when(wg < _CONSUMERS)
-  def _consumer():
-    if not interpret:
-      plgpu.set_max_registers(_consumer_regs(_CONSUMERS), action="increase")
-    k0 = cta0 + wg * bk
+  def kv_ready_of(buf):
+    return kv_ready.at[buf * _CONSUMERS + wg] if ctas else kv_ready.at[wg]
+
+  def load_kv(i, buf):  # this WG's keys and values of tile i into buffer buf
+    b, kh, _, _, cta0, _, _ = key_tile(i)
+    rows = (b, pl.ds(cta0 + wg * bk, bk), kh)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[buf, wg], kv_ready_of(buf))
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[buf, wg], kv_ready_of(buf))
+
+  def consumer_tile(ti, k0):  # ti: the CTA's tile, k0: its earlier steps
+    b, kh, q_lim, kv_lim, cta0, lo, hi = key_tile(ti)
+    per_head = hi - lo
+    buf = lax.rem(ti, jnp.int32(2)) if ctas else 0
+    k0_wg = cta0 + wg * bk
     segments = _clamp_ranges(triton.blocks_seen(
-        k0, bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True), lo, hi)
-    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        k0_wg, bk, bq, kv_lim, q_lim, sp.right, sp.left, strict=True), lo, hi)
+    k_tile, v_tile = k_smem.at[buf, wg], v_smem.at[buf, wg]
     t_tile = t_smem.at[wg] if interpret else None
-    rows = (b, pl.ds(k0, bk), kh)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_tile, kv_ready.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_tile, kv_ready.at[wg])
-    plgpu.barrier_wait(kv_ready.at[wg])
+    rows = (b, pl.ds(k0_wg, bk), kh)
+    if not ctas:
+      load_kv(ti, buf)
+    plgpu.barrier_wait(kv_ready_of(buf))
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
 
+    def prefetch_kv():  # tile ti + 1's K/V into the other buffer, once the
+      # stores of tile ti - 1's dk/dv have read it
+      @pl.when(ti + 1 < count)
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        load_kv(ti + 1, 1 - buf)
+
+    def first_step_done(g, i):
+      if ctas:
+        pl.when((g == 0) & (i == lo))(prefetch_kv)
+
     # Bias/mask tiles [bk, bq] of the transposed operands.
-    load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, k0, bq,
+    load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, k0_wg, bq,
                               pl.cdiv(sp.t, bq) - 1, (bk, bq))
 
     no_tiles = bias_ref is None and mask_ref is None
@@ -1075,7 +1119,8 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
     def step(i, carry, g, mode):
       dk, dv, tiles = carry
       tiles = tiles or (None, None)
-      slot = slot_of(g * per_head + i - lo)
+      step_in_tile = g * per_head + i - lo
+      slot = slot_of(step_in_tile if k0 is None else k0 + step_in_tile)
       nxt = tiles_after(g, i)
       plgpu.barrier_wait(ready.at[slot])
       if mode != "skip":
@@ -1084,10 +1129,11 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         # Key-major blocks [bk, bq]: s^T = k q^T, dp^T = v do^T.
         pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
         prods = _products(pairs, (bk, bq))
+        first_step_done(g, i)
         lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
         band = None
         if mode == "masked":
-          band = _row_band(sp, i * bq, k0, (bk, bq), q_lim, kv_lim, key_major=True)
+          band = _row_band(sp, i * bq, k0_wg, (bk, bq), q_lim, kv_lim, key_major=True)
         pt, tanh = _bwd_probabilities(
             sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]), band,
             bias_t, mask_t)
@@ -1113,6 +1159,8 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
             dv = _accumulate(dv, pt.astype(dtype), do_t, t_tile, interpret)
           if want_dk:
             dk = _accumulate(dk, ds_t(), q_t, t_tile, interpret)
+      else:
+        first_step_done(g, i)
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv, nxt
 
@@ -1131,6 +1179,8 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       dk, dv, _ = head(jnp.int32(0), carry)
     else:
       dk, dv, _ = lax.fori_loop(jnp.int32(0), jnp.int32(sp.groups), head, carry)
+    if ctas:  # a tile that no query block sees runs no step
+      pl.when(lo >= hi)(prefetch_kv)
     # The tiles are free: every wgmma reading them has been waited for.
     if want_dk:
       k_tile[...] = (dk * sp.scale).astype(dtype)
@@ -1141,33 +1191,50 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[rows])
     if want_dv:
       plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    if not ctas:
+      plgpu.wait_smem_to_gmem(0)
+      return None
+    return k0 + jnp.maximum(per_head, 0) * sp.groups
+
+  pl.when(wg < _CONSUMERS)(lambda: _run_consumer(
+      consumer_tile, count, ctas, lambda: load_kv(jnp.int32(0), 0),
+      _CONSUMERS, interpret))
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
     if not interpret:
       plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
-    total = per_head * sp.groups
 
-    def issue(step, wait):
-      slot = slot_of(step)
-      i = lo + lax.rem(step, per_head)
-      n = kh * sp.groups + lax.div(step, per_head)
-      if wait:
-        plgpu.barrier_wait(free.at[slot])
-      rows = (b, pl.ds(i * bq, bq), n)
-      stats = (b, n, pl.ds(i * bq, bq))
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], ready.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], ready.at[slot])
-      plgpu.copy_gmem_to_smem(
-          delta_ref.at[stats], delta_smem.at[slot], ready.at[slot])
+    def producer_tile(i, k0):  # k0: the steps of the CTA's earlier tiles
+      b, kh, _, _, _, lo, hi = key_tile(i)
+      per_head = jnp.maximum(hi - lo, 0)
+      total = per_head * sp.groups
 
-    first = jnp.minimum(jnp.int32(stages), total)
-    pl.loop(jnp.int32(0), first)(lambda s: issue(s, False))
-    pl.loop(first, total)(lambda s: issue(s, True))
+      def issue(step, wait):
+        slot = slot_of(k0 + step)
+        i = lo + lax.rem(step, per_head)
+        n = kh * sp.groups + lax.div(step, per_head)
+        if wait:
+          plgpu.barrier_wait(free.at[slot])
+        rows = (b, pl.ds(i * bq, bq), n)
+        stats = (b, n, pl.ds(i * bq, bq))
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(
+            delta_ref.at[stats], delta_smem.at[slot], ready.at[slot])
+
+      first = jnp.minimum(jnp.maximum(stages - k0, 0), total)
+      pl.loop(jnp.int32(0), first)(lambda s: issue(s, False))
+      pl.loop(first, total)(lambda s: issue(s, True))
+      return k0 + total
+
+    if ctas:
+      steps = lax.fori_loop(0, count, producer_tile, jnp.int32(0))
+    else:
+      steps = producer_tile(0, jnp.int32(0))
     # The last phases of `free` (the interpreter checks every waiter saw them).
-    pl.loop(jnp.maximum(total - stages, 0), total)(
+    pl.loop(jnp.maximum(steps - stages, 0), steps)(
         lambda s: plgpu.barrier_wait(free.at[slot_of(s)]))
 
 
@@ -1362,29 +1429,33 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
                 interpret=pallas_mosaic.interpret_params())
 
   bk, bq, st = config.block_kv, config.block_q, config.num_stages
+  nk = pl.cdiv(tk, _CONSUMERS * bk)
+  dkdv_ctas = _persistent_ctas(bsz * kv_heads * nk, config.dkdv_persistent)
+  kv_bufs = 2 if dkdv_ctas else 1
   grads = {}
   for want_dk, want_dv in dkdv_passes(config, hp, hvp):
     dk, dv = plgpu.kernel(
         functools.partial(_dkdv_kernel, sp=sp, bk=bk, bq=bq, stages=st,
-                          want_dk=want_dk, want_dv=want_dv, interpret=interpret),
+                          want_dk=want_dk, want_dv=want_dv, ctas=dkdv_ctas,
+                          interpret=interpret),
         out_type=[
             jax.ShapeDtypeStruct((bsz, tk, kv_heads, hp), dtype) if want_dk else None,
             jax.ShapeDtypeStruct((bsz, tk, kv_heads, hvp), dtype) if want_dv else None,
         ],
         scratch_types=[
-            plgpu.SMEM((_CONSUMERS, bk, hp), dtype),
-            plgpu.SMEM((_CONSUMERS, bk, hvp), dtype),
+            plgpu.SMEM((kv_bufs, _CONSUMERS, bk, hp), dtype),
+            plgpu.SMEM((kv_bufs, _CONSUMERS, bk, hvp), dtype),
             plgpu.SMEM((st, bq, hp), dtype),
             plgpu.SMEM((st, bq, hvp), dtype),
             plgpu.SMEM((st, bq), jnp.float32),
             plgpu.SMEM((st, bq), jnp.float32),
             plgpu.SMEM((_CONSUMERS, bk, bq), dtype) if interpret else None,
-            plgpu.Barrier(num_arrivals=2, num_barriers=_CONSUMERS),  # kv_ready
+            plgpu.Barrier(num_arrivals=2, num_barriers=kv_bufs * _CONSUMERS),  # kv_ready
             plgpu.Barrier(num_arrivals=4, num_barriers=st),  # ready
             plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=st),  # free
         ],
         # CTAs in flight share a head's q/do tiles in L2 (`_cta_coords`).
-        **_cta_grid(bsz, kv_heads, pl.cdiv(tk, _CONSUMERS * bk)),
+        **_cta_grid(bsz, kv_heads, nk, dkdv_ctas),
         num_threads=_CONSUMERS + 1,
         kernel_name="tokamax_attention_bwd_dkdv_mosaic",
         **common,
