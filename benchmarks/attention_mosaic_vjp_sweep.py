@@ -14,6 +14,7 @@ not in the search space.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -60,16 +61,19 @@ def main(out_dir=".", words="", explicit=""):
       op = mo.MosaicDotProductAttention(vjp=tr.TritonDotProductAttentionVjp())
       if not explicit:
         run("mosaic fwd + triton bwd", lambda q, k, v: op(q, k, v, is_causal=causal))
-      space = mo.vjp_search_space(t, t, h, h, 2)
+      space = mo.vjp_search_space(t, t, h, h, 2, banded=causal)
       configs = CONFIGS
       if os.environ.get("VJP_CONFIGS") == "heuristic":
-        c = mo.vjp_heuristic_config(t, t, h, h, 2)
+        c = mo.vjp_heuristic_config(t, t, h, h, 2, banded=causal)
         configs = [(c.block_kv, c.block_q, c.num_stages, c.dq_block_q, c.dq_block_kv,
                     c.dq_num_stages, c.dq_consumers)]
       if explicit:
         configs = [tuple(map(int, c.split("."))) for c in explicit.split(",")]
       for c in configs:
         cfg = mo.MosaicAttentionVjpConfig(*c)
+        # The search space's member with these tile fields (dq persistent or not).
+        cfg = next((x for x in space if dataclasses.replace(
+            x, dq_persistent=False, dkdv_persistent=False) == cfg), cfg)
         if cfg not in space and not explicit:
           continue
         op = mo.MosaicDotProductAttention(vjp=mo.MosaicDotProductAttentionVjp(config=cfg))

@@ -1081,6 +1081,30 @@ def test_mosaic_consumers_by_head_dim_and_tiles():
           assert not tiles and c.block_q == 64 and c.block_q * (c.block_kv + hv) <= 96 * 128
 
 
+@pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("kwargs, banded", [
+    ({}, False), (dict(is_causal=True), True),
+    (dict(local_window_size=(100, 100)), True)])
+def test_mosaic_dq_persistent_unless_banded(h, kwargs, banded):
+  """The dq kernel is persistent in the heuristic and every search-space
+  config where no causal mask or window makes its tiles unequal and its dq
+  buffer fits (not at head dim 256), with the dk/dv kernel's ring as deep."""
+  q = jnp.zeros((2, 2048, 4, h), BF16)  # only its shape is read
+  ba = mosaic_attn.MosaicDotProductAttention().bind(q, q, q, **kwargs)
+  vjp = mosaic_attn.MosaicDotProductAttentionVjp()
+  heuristic = vjp._get_heuristics_config(ba)
+  persistent = not banded and h < 256
+  assert heuristic.dq_persistent == persistent
+  assert heuristic == mosaic_attn.vjp_heuristic_config(2048, 2048, h, h, 2, banded)
+  assert dataclasses.replace(heuristic, dq_persistent=False) == (
+      mosaic_attn.vjp_heuristic_config(2048, 2048, h, h, 2, True))
+  space = vjp._get_autotuning_configs(ba)
+  assert heuristic in space
+  for c in space:  # not persistent only where the dq buffer does not fit
+    fits = mosaic_attn._vjp_fits(dataclasses.replace(c, dq_persistent=True), h, h, 2)
+    assert c.dq_persistent == (not banded and fits), c
+
+
 def test_mosaic_vjp_search_space_lowers_for_cuda():
   """Every backward candidate lowers for an H200 (shared memory, wgmma)."""
   for h in (64, 128, 256):

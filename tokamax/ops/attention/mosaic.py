@@ -1577,35 +1577,41 @@ def _vjp_regs_ok(c: MosaicAttentionVjpConfig, hp: int, hvp: int) -> bool:
           and dq <= _consumer_regs(c.dq_consumers) - 40)
 
 
-def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int,
-                         itemsize: int) -> MosaicAttentionVjpConfig:
+def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
+                         banded: bool = True) -> MosaicAttentionVjpConfig:
   """64-row tiles with the deepest ring (up to 2) that fits shared memory;
   at head dim 64 the dq kernel runs three consumers over 64-key steps (seed
   shape forward+backward 2.78 -> 2.70 ms causal, 4.86 -> 4.68-4.75 ms not,
-  H200 2026-12-03, docs/benchmarks.md); above, two (a third would spill)."""
+  H200 2026-12-03, docs/benchmarks.md); above, two (a third would spill).
+  The dq kernel is persistent unless a causal mask or a window makes its
+  tiles `banded` (H200 2026-12-05: dq 5 % faster at the seed shape, 2 % at
+  H128, non-causal; 1-4 % slower causal) and its dq buffer fits."""
   del t, s
   dq_nc = 3 if hp + hvp <= 128 else 2
-  for stages in (2, 1):
+  for stages, persistent in itertools.product((2, 1), (not banded, False)):
     c = MosaicAttentionVjpConfig(num_stages=stages, dq_num_stages=stages,
-                                 dq_consumers=dq_nc)
+                                 dq_consumers=dq_nc, dq_persistent=persistent)
     if _vjp_fits(c, hp, hvp, itemsize):
       return c
   return MosaicAttentionVjpConfig(num_stages=1, dq_num_stages=1)
 
 
-def vjp_search_space(t: int, s: int, hp: int, hvp: int,
-                     itemsize: int) -> set[MosaicAttentionVjpConfig]:
+def vjp_search_space(t: int, s: int, hp: int, hvp: int, itemsize: int,
+                     banded: bool = True) -> set[MosaicAttentionVjpConfig]:
   """Rings of 2-3 stages (1 was 1.4x slower on the H200), 2 or 3 dq
-  consumers, and the tiles that fit the registers; the heuristic config (1
-  stage at head dim 256) too."""
-  configs = {vjp_heuristic_config(t, s, hp, hvp, itemsize)}
+  consumers, and the tiles that fit the registers, each once: its dq kernel
+  persistent where the heuristic's is and the dq buffer fits. The heuristic
+  config (1 stage at head dim 256) is in too."""
+  configs = {vjp_heuristic_config(t, s, hp, hvp, itemsize, banded)}
   for bk, bq, st, dbk, dst, dnc in itertools.product(
       (64, 128), (64, 128), (2, 3), (64, 128), (2, 3), (2, 3)):
-    c = MosaicAttentionVjpConfig(block_kv=bk, block_q=bq, num_stages=st,
-                                 dq_block_q=64, dq_block_kv=dbk, dq_num_stages=dst,
-                                 dq_consumers=dnc)
-    if _vjp_regs_ok(c, hp, hvp) and _vjp_fits(c, hp, hvp, itemsize):
-      configs.add(c)
+    for persistent in (not banded, False):
+      c = MosaicAttentionVjpConfig(block_kv=bk, block_q=bq, num_stages=st,
+                                   dq_block_q=64, dq_block_kv=dbk, dq_num_stages=dst,
+                                   dq_consumers=dnc, dq_persistent=persistent)
+      if _vjp_regs_ok(c, hp, hvp) and _vjp_fits(c, hp, hvp, itemsize):
+        configs.add(c)
+        break
   return configs
 
 
@@ -1624,6 +1630,12 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
     )
   if not _fits(heuristic_config(*_shape(ba)), *_shape(ba)[2:]):
     raise op.unsupported("the head dims do not fit in shared memory.")
+
+
+def _banded(ba: op_lib.BoundArguments) -> bool:
+  """Whether a causal mask or a window bounds the keys each row sees (tiles
+  of unequal work)."""
+  return bool(ba.arguments["is_causal"]) or ba.arguments["local_window_size"] is not None
 
 
 def _has_tiles(ba: op_lib.BoundArguments) -> bool:
@@ -1649,10 +1661,10 @@ class MosaicDotProductAttentionVjp(_MosaicAttentionMixin, base.DotProductAttenti
   config_cls = MosaicAttentionVjpConfig
 
   def _get_heuristics_config(self, ba):
-    return vjp_heuristic_config(*_shape(ba))
+    return vjp_heuristic_config(*_shape(ba), banded=_banded(ba))
 
   def _get_autotuning_configs(self, ba):
-    return vjp_search_space(*_shape(ba))
+    return vjp_search_space(*_shape(ba), banded=_banded(ba))
 
   def _fwd(self, *, residuals, out, dout, config, return_residuals, **args):
     del return_residuals
