@@ -61,10 +61,10 @@ def main(out_dir=".", words="", explicit=""):
       op = mo.MosaicDotProductAttention(vjp=tr.TritonDotProductAttentionVjp())
       if not explicit:
         run("mosaic fwd + triton bwd", lambda q, k, v: op(q, k, v, is_causal=causal))
-      space = mo.vjp_search_space(t, t, h, h, 2, banded=causal)
+      space = mo.vjp_search_space(t, t, h, h, 2, causal, b * kh)
       configs = CONFIGS
       if os.environ.get("VJP_CONFIGS") == "heuristic":
-        c = mo.vjp_heuristic_config(t, t, h, h, 2, banded=causal)
+        c = mo.vjp_heuristic_config(t, t, h, h, 2, causal, b * kh)
         configs = [(c.block_kv, c.block_q, c.num_stages, c.dq_block_q, c.dq_block_kv,
                     c.dq_num_stages, c.dq_consumers)]
       if explicit:

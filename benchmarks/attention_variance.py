@@ -117,7 +117,7 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
           q, k, v, is_causal=causal, implementation=impl_name)
       fns = {name: ours for name in variants}
       if flag.startswith("vjp."):  # explicit backward configs
-        base = mosaic_attn.vjp_heuristic_config(t, t, h, h, 2, banded=causal)
+        base = mosaic_attn.vjp_heuristic_config(t, t, h, h, 2, causal, b * kh)
         for name, value in variants.items():
           op = mosaic_attn.MosaicDotProductAttention(
               vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=dataclasses.replace(

@@ -128,6 +128,14 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout 240 python3 benchmarks/attention_variance.py "$OUT/dkdv_persistent" 3 \
          "seed,B8 T4096,GQA" vjp.dkdv_persistent False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" \
          | grep "^{" | cut -c1-300 | tail -30 ;;
+    # 11 (2026-12-05 15:50): the persistent GPU tests again at 2 processes
+    # (4 of step 10's ran out of memory at 6 on an H100), then the attention
+    # benchmark at the new VJP defaults (dq persistent without causal
+    # bands, dk/dv persistent at head dim 64).
+    11) JOBS=${JOBS:-2} pt ${TEST_S:-200} tests/test_attention.py -k "TestMosaicGpu and persistent" \
+         | tee "$OUT/pending_11_tests.log"
+       timeout ${BENCH_S:-200} python3 benchmarks/attention.py "$OUT" mosaic,jax.nn 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/attention_bench.log" | tail -40 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

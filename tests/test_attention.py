@@ -1082,27 +1082,36 @@ def test_mosaic_consumers_by_head_dim_and_tiles():
 
 
 @pytest.mark.parametrize("h", [64, 128, 256])
+@pytest.mark.parametrize("batch", [1, 32])
 @pytest.mark.parametrize("kwargs, banded", [
     ({}, False), (dict(is_causal=True), True),
     (dict(local_window_size=(100, 100)), True)])
-def test_mosaic_dq_persistent_unless_banded(h, kwargs, banded):
-  """The dq kernel is persistent in the heuristic and every search-space
-  config where no causal mask or window makes its tiles unequal and its dq
-  buffer fits (not at head dim 256), with the dk/dv kernel's ring as deep."""
-  q = jnp.zeros((2, 2048, 4, h), BF16)  # only its shape is read
+def test_mosaic_vjp_persistent_rules(h, batch, kwargs, banded):
+  """The heuristic and every search-space config run the dq kernel
+  persistent where no causal mask or window makes its tiles unequal, the dk/dv
+  kernel at head dim 64 (banded: with at least 32 key tiles per CTA: batch
+  32, not 1), each where its buffer fits (neither at head dim 256), with the
+  rings as deep as without."""
+  q = jnp.zeros((batch, 2048, 16, h), BF16)  # only its shape is read
   ba = mosaic_attn.MosaicDotProductAttention().bind(q, q, q, **kwargs)
   vjp = mosaic_attn.MosaicDotProductAttentionVjp()
   heuristic = vjp._get_heuristics_config(ba)
-  persistent = not banded and h < 256
-  assert heuristic.dq_persistent == persistent
-  assert heuristic == mosaic_attn.vjp_heuristic_config(2048, 2048, h, h, 2, banded)
-  assert dataclasses.replace(heuristic, dq_persistent=False) == (
+  assert heuristic.dq_persistent == (not banded and h < 256)
+  assert heuristic.dkdv_persistent == (h == 64 and (not banded or batch == 32))
+  assert heuristic == mosaic_attn.vjp_heuristic_config(
+      2048, 2048, h, h, 2, banded, batch * 16)
+  assert dataclasses.replace(heuristic, dq_persistent=False, dkdv_persistent=False) == (
       mosaic_attn.vjp_heuristic_config(2048, 2048, h, h, 2, True))
   space = vjp._get_autotuning_configs(ba)
   assert heuristic in space
-  for c in space:  # not persistent only where the dq buffer does not fit
-    fits = mosaic_attn._vjp_fits(dataclasses.replace(c, dq_persistent=True), h, h, 2)
-    assert c.dq_persistent == (not banded and fits), c
+  for c in space:  # each kernel persistent by the rules, where it fits
+    dq = dataclasses.replace(c, dq_persistent=True)
+    assert c.dq_persistent == (not banded and mosaic_attn._vjp_fits(dq, h, h, 2)), c
+    dkdv = dataclasses.replace(c, dkdv_persistent=True)
+    assert c.dkdv_persistent == (
+        mosaic_attn._dkdv_persistent(c, 2048, h, h, banded, batch * 16)
+        and mosaic_attn._vjp_fits(dkdv, h, h, 2)), c
+    assert not c.dkdv_persistent or h == 64
 
 
 def test_mosaic_vjp_search_space_lowers_for_cuda():

@@ -537,7 +537,7 @@ def test_autotune_mosaic_attention_in_interpreter(monkeypatch):
       mo.MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=1),
       mo.MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=2, consumers=3,
                                persistent=True)})
-  monkeypatch.setattr(mo, "vjp_search_space", lambda *a: {
+  monkeypatch.setattr(mo, "vjp_search_space", lambda *a, **k: {
       mo.MosaicAttentionVjpConfig(num_stages=1, dq_num_stages=1)})
   q = jax.random.normal(jax.random.key(22), (1, 130, 2, 64), jnp.bfloat16)
 

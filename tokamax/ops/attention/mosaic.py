@@ -110,6 +110,15 @@ _PRODUCER_REGS = 40
 # 2026-12-02 with _PRODUCER_REGS = 24 (240 per consumer): no gain at 128
 # (within the run's spread, docs/benchmarks.md 20:12).
 FUSE_DKDV_MAX_WIDTH = 128
+# The heuristic's persistent dk/dv kernel (`vjp_heuristic_config`): where
+# H + Hv (padded) is at most this, and under a causal mask or a window only
+# with at least this many key tiles per CTA. H100, 2026-12-05: at head dim
+# 64 the dk/dv kernel 6 % faster non-causal, 3.4 % causal (62 tiles per
+# CTA); at 128 no faster non-causal, 2-5 % slower causal (31 tiles per
+# CTA) and 6-17 % slower for GQA (7.8 tiles per CTA: its static rounds
+# balance unequal tiles worse than the hardware's dynamic scheduling).
+DKDV_PERSISTENT_MAX_WIDTH = 128
+DKDV_PERSISTENT_MIN_BANDED_ROUNDS = 32
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
 # other 64-row consumer at 128-key blocks, a key length just past a block
@@ -1577,41 +1586,71 @@ def _vjp_regs_ok(c: MosaicAttentionVjpConfig, hp: int, hvp: int) -> bool:
           and dq <= _consumer_regs(c.dq_consumers) - 40)
 
 
+def _dkdv_persistent(c: MosaicAttentionVjpConfig, s: int, hp: int, hvp: int,
+                     banded: bool, kv_pairs: int) -> bool:
+  """Whether the heuristic runs the dk/dv kernel persistent (with c's key
+  tiles over kv_pairs (batch, kv head) pairs; DKDV_PERSISTENT_MAX_WIDTH)."""
+  if hp + hvp > DKDV_PERSISTENT_MAX_WIDTH:
+    return False
+  tiles = kv_pairs * pl.cdiv(s, _CONSUMERS * c.block_kv)
+  return not banded or tiles >= DKDV_PERSISTENT_MIN_BANDED_ROUNDS * PERSISTENT_CTAS
+
+
+def _with_persistence(c: MosaicAttentionVjpConfig, s: int, hp: int, hvp: int,
+                      itemsize: int, banded: bool, kv_pairs: int):
+  """c with its kernels persistent where the heuristic rules say so and the
+  buffers fit (dq first, then dk/dv), or None if c itself does not fit."""
+  want = dict(dq_persistent=not banded,
+              dkdv_persistent=_dkdv_persistent(c, s, hp, hvp, banded, kv_pairs))
+  for field in ("dq_persistent", "dkdv_persistent"):
+    if want[field]:
+      trial = dataclasses.replace(c, **{field: True})
+      if _vjp_fits(trial, hp, hvp, itemsize):
+        c = trial
+  return c if _vjp_fits(c, hp, hvp, itemsize) else None
+
+
 def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
-                         banded: bool = True) -> MosaicAttentionVjpConfig:
+                         banded: bool = True, kv_pairs: int = 1
+                         ) -> MosaicAttentionVjpConfig:
   """64-row tiles with the deepest ring (up to 2) that fits shared memory;
   at head dim 64 the dq kernel runs three consumers over 64-key steps (seed
   shape forward+backward 2.78 -> 2.70 ms causal, 4.86 -> 4.68-4.75 ms not,
   H200 2026-12-03, docs/benchmarks.md); above, two (a third would spill).
   The dq kernel is persistent unless a causal mask or a window makes its
   tiles `banded` (H200 2026-12-05: dq 5 % faster at the seed shape, 2 % at
-  H128, non-causal; 1-4 % slower causal) and its dq buffer fits."""
-  del t, s
+  H128, non-causal; 1-4 % slower causal) and its dq buffer fits; the dk/dv
+  kernel at head dims up to 64 (`_dkdv_persistent`; kv_pairs: batch x kv
+  heads)."""
+  del t
   dq_nc = 3 if hp + hvp <= 128 else 2
-  for stages, persistent in itertools.product((2, 1), (not banded, False)):
-    c = MosaicAttentionVjpConfig(num_stages=stages, dq_num_stages=stages,
-                                 dq_consumers=dq_nc, dq_persistent=persistent)
-    if _vjp_fits(c, hp, hvp, itemsize):
+  for stages in (2, 1):
+    c = _with_persistence(
+        MosaicAttentionVjpConfig(num_stages=stages, dq_num_stages=stages,
+                                 dq_consumers=dq_nc),
+        s, hp, hvp, itemsize, banded, kv_pairs)
+    if c is not None:
       return c
   return MosaicAttentionVjpConfig(num_stages=1, dq_num_stages=1)
 
 
 def vjp_search_space(t: int, s: int, hp: int, hvp: int, itemsize: int,
-                     banded: bool = True) -> set[MosaicAttentionVjpConfig]:
+                     banded: bool = True, kv_pairs: int = 1
+                     ) -> set[MosaicAttentionVjpConfig]:
   """Rings of 2-3 stages (1 was 1.4x slower on the H200), 2 or 3 dq
-  consumers, and the tiles that fit the registers, each once: its dq kernel
-  persistent where the heuristic's is and the dq buffer fits. The heuristic
-  config (1 stage at head dim 256) is in too."""
-  configs = {vjp_heuristic_config(t, s, hp, hvp, itemsize, banded)}
+  consumers, and the tiles that fit the registers, each once: its kernels
+  persistent by the heuristic's rules where their buffers fit. The
+  heuristic config (1 stage at head dim 256) is in too."""
+  configs = {vjp_heuristic_config(t, s, hp, hvp, itemsize, banded, kv_pairs)}
   for bk, bq, st, dbk, dst, dnc in itertools.product(
       (64, 128), (64, 128), (2, 3), (64, 128), (2, 3), (2, 3)):
-    for persistent in (not banded, False):
-      c = MosaicAttentionVjpConfig(block_kv=bk, block_q=bq, num_stages=st,
-                                   dq_block_q=64, dq_block_kv=dbk, dq_num_stages=dst,
-                                   dq_consumers=dnc, dq_persistent=persistent)
-      if _vjp_regs_ok(c, hp, hvp) and _vjp_fits(c, hp, hvp, itemsize):
+    c = MosaicAttentionVjpConfig(block_kv=bk, block_q=bq, num_stages=st,
+                                 dq_block_q=64, dq_block_kv=dbk, dq_num_stages=dst,
+                                 dq_consumers=dnc)
+    if _vjp_regs_ok(c, hp, hvp):
+      c = _with_persistence(c, s, hp, hvp, itemsize, banded, kv_pairs)
+      if c is not None:
         configs.add(c)
-        break
   return configs
 
 
@@ -1630,6 +1669,12 @@ def check_supported(op: op_lib.Op, ba: op_lib.BoundArguments) -> None:
     )
   if not _fits(heuristic_config(*_shape(ba)), *_shape(ba)[2:]):
     raise op.unsupported("the head dims do not fit in shared memory.")
+
+
+def _kv_pairs(ba: op_lib.BoundArguments) -> int:
+  """(batch, kv head) pairs: the dk/dv kernel's grid is these x key tiles."""
+  k = ba.arguments["key"]
+  return k.shape[0] * k.shape[2]
 
 
 def _banded(ba: op_lib.BoundArguments) -> bool:
@@ -1661,10 +1706,11 @@ class MosaicDotProductAttentionVjp(_MosaicAttentionMixin, base.DotProductAttenti
   config_cls = MosaicAttentionVjpConfig
 
   def _get_heuristics_config(self, ba):
-    return vjp_heuristic_config(*_shape(ba), banded=_banded(ba))
+    return vjp_heuristic_config(*_shape(ba), banded=_banded(ba),
+                                kv_pairs=_kv_pairs(ba))
 
   def _get_autotuning_configs(self, ba):
-    return vjp_search_space(*_shape(ba), banded=_banded(ba))
+    return vjp_search_space(*_shape(ba), banded=_banded(ba), kv_pairs=_kv_pairs(ba))
 
   def _fwd(self, *, residuals, out, dout, config, return_residuals, **args):
     del return_residuals
