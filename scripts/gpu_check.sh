@@ -43,9 +43,9 @@ if [[ $what == pending ]]; then
   # Steps 1-4 ran on the H200 and step 5 on an H100 on 2026-12-05 (09:04-):
   # docs/benchmarks.md has the results; kept to re-run after changes.
   # Steps 6 and 7 ran on the H200, step 8 on an H100 on 2026-12-05 (11:52-);
-  # step 9 is queued (STEP=9, about 3 minutes; the H100 run cut it short).
-  # Step 8 again on an H200 (JOBS=6: 8 processes ran out of memory on the
-  # H100) would give the whole benchmark table at the persistent default.
+  # Steps 8 and 9 ran on the H200, 10 and 11 on an H100 on 2026-12-05
+  # (14:55-). Queued: step 8 again on an H200 (JOBS=6; BENCH_S=300) for the
+  # whole table at the persistent VJP defaults, and step 10's A/B there.
   # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
   # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
   # dim (the "triton" heuristic's row halves at head dim 128, its bands of

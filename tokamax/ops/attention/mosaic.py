@@ -37,11 +37,11 @@ atomic dq), two kernels of the same three-WG shape from the lse residual:
     and dbias = ds written per block when the bias is differentiated.
 
 Grids are flat; under a causal or right window the heaviest CTAs of all
-heads start first (`triton.grid_position`, HEAVY_FIRST_BAND). The forward
-(and, by its config, the dq kernel) can run persistent: one CTA per SM
-takes the flat grid's tiles round by round (`_persistent_tiles`), its ring
-running on across tiles and the next tile's rows loading under the last
-steps of the current one.
+heads start first (`triton.grid_position`, HEAVY_FIRST_BAND). Each of the
+three kernels can run persistent (by its config): one CTA per SM takes the
+flat grid's tiles round by round (`_persistent_tiles`), its ring running on
+across tiles and the next tile's rows (keys, for dk/dv) loading under the
+current one.
 
 Shapes: head dims are padded to multiples of 64 (wgmma/TMA tiles; a copy,
 only when H or Hv is not already one). Sequences shorter than a block are
