@@ -11,7 +11,8 @@ triton, which then times "triton" instead, or "vjp.FIELD", a field of the
 "mosaic" backward config, set on the shape's heuristic config, which is
 also the shipped one) and VALUES (comma-separated Python literals), the
 implementation is compiled once per value and every round times each (an
-A/B per kernel under the same clocks). Environment PAUSE_S: seconds
+A/B per kernel under the same clocks). Environment SET ("NAME=VALUE,...")
+sets constants of the mosaic module for every variant first. PAUSE_S: seconds
 of idle before each timed round (default 0), so that the software power
 cap's clock drops hit fewer rounds. nvidia-smi samples the SM clock,
 power and throttle reasons every 50 ms meanwhile. Writes each round's
@@ -96,6 +97,8 @@ def _parse_smi(text):
 
 def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
   rounds = int(rounds)
+  settings = os.environ.get("SET", "")
+  common.set_constants(mosaic_attn, settings)
   impl_name, module = "mosaic", mosaic_attn
   if flag.startswith("triton."):
     impl_name, module, flag = "triton", triton_attn, flag.removeprefix("triton.")
@@ -159,7 +162,8 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
                        datetime.datetime.fromisoformat(row["end"])))
     print(row["shape"], row["impl"], row["round"], round(row["total_ms"], 4),
           {k: row.get(k) for k in ("sm_mhz_min", "sm_mhz_median", "power_w", "throttle")})
-  common.save(out_dir, "attention_variance", rows, calls=CALLS, rounds=rounds)
+  common.save(out_dir, "attention_variance", rows, calls=CALLS, rounds=rounds,
+              settings=settings)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,20 @@ if [[ $what == pending ]]; then
          | tee "$OUT/pending_11_tests.log"
        timeout ${BENCH_S:-200} python3 benchmarks/attention.py "$OUT" mosaic,jax.nn 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/attention_bench.log" | tail -40 ;;
+    # 12 (2026-12-05 16:20): the persistent dk/dv kernel at head dim 128
+    # with its next K/V loaded as a tile starts (fewer ptxas spills there):
+    # its GPU tests (with the other persistent ones), then per-kernel A/B
+    # against the per-tile kernel, and the first-step prefetch's A/B again
+    # (step 10's H128 losses) in the same call.
+    12) SET_ALL="DKDV_PREFETCH_AT_TILE_START=True"
+       pt 150 tests/test_attention.py -k "TestMosaicGpu and persistent" \
+         | tee "$OUT/pending_12_tests.log"
+       for set in "$SET_ALL" ""; do
+         mkdir -p "$OUT/dkdv_prefetch_${set:+start}"
+         SET="$set" PAUSE_S=1 timeout 150 python3 benchmarks/attention_variance.py \
+           "$OUT/dkdv_prefetch_${set:+start}" 3 "B8 T4096,GQA" vjp.dkdv_persistent False,True \
+           2>&1 | grep -v "cuda_timer\|Delay kernel" | grep "^{" | cut -c1-300 | tail -10
+       done ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

@@ -810,6 +810,18 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
                BF16, feature)
 
+  @pytest.mark.parametrize("feature, ctas", [
+      ("causal", 3), ("combined", 2), ("q_lens", 5), ("plain", 4)])
+  def test_persistent_dkdv_prefetch_at_tile_start(self, monkeypatch, feature, ctas):
+    """The persistent dk/dv kernel loading the next key tile's K/V as a tile
+    starts (DKDV_PREFETCH_AT_TILE_START), its previous stores still reading
+    the other buffer."""
+    monkeypatch.setattr(mosaic_attn, "DKDV_PREFETCH_AT_TILE_START", True)
+    monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", ctas)
+    self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2,
+                         vjp=dict(dkdv_persistent=True))
+    self.check(dataclasses.replace(FEATURES[feature], t=300, s=260), BF16, feature)
+
   @pytest.mark.parametrize("feature", ["causal", "kv_lens", "combined"])
   def test_192_key_steps(self, feature):
     """192-key forward steps (three 64-key wgmma contractions; no half step):
@@ -1183,6 +1195,18 @@ class TestMosaicGpu(AttentionTestBase):
                          consumers=consumers, persistent=True,
                          vjp=dict(dq_consumers=consumers, dq_persistent=True,
                                   dkdv_persistent=True))
+    self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h, q_lens=not causal,
+                    kv_lens=not causal, kwargs=(("is_causal", causal),)), BF16)
+
+  @pytest.mark.parametrize("causal", [False, True])
+  @pytest.mark.parametrize("shape", [(2, 4096, 8, 4, 128), (4, 2048, 8, 8, 64)])
+  def test_persistent_dkdv_prefetch_at_tile_start(self, monkeypatch, shape, causal):
+    """The persistent dk/dv kernel loading the next key tile's K/V as a
+    tile starts (DKDV_PREFETCH_AT_TILE_START) on 132 CTAs."""
+    monkeypatch.setattr(mosaic_attn, "DKDV_PREFETCH_AT_TILE_START", True)
+    b, t, n, kh, h = shape
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
+                         vjp=dict(dkdv_persistent=True))
     self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h, q_lens=not causal,
                     kv_lens=not causal, kwargs=(("is_causal", causal),)), BF16)
 

@@ -118,6 +118,13 @@ FUSE_DKDV_MAX_WIDTH = 128
 # CTA) and 6-17 % slower for GQA (7.8 tiles per CTA: its static rounds
 # balance unequal tiles worse than the hardware's dynamic scheduling).
 DKDV_PERSISTENT_MAX_WIDTH = 128
+# Persistent dk/dv: load the next key tile's K/V at the start of a tile
+# (after the previous tile's dk/dv stores have read the buffer) instead of
+# after the tile's first step. ptxas (sm_90a, 2026-12-05), B8 T4096 N16 H128
+# spill stores/loads: non-causal 136/276 bytes after the first step, 76/148
+# at the start (per-tile kernel 16/48); causal 184/332, 64/116 (120/196).
+# None at head dim 64. Not timed yet (scripts/gpu_check.sh pending, step 12).
+DKDV_PREFETCH_AT_TILE_START = False
 DKDV_PERSISTENT_MIN_BANDED_ROUNDS = 32
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
@@ -1049,8 +1056,9 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
   and the query blocks that see the keys; WGs 0/1 keep their bk keys and
   values in SMEM and dk, dv in registers. ctas > 0: persistent
   (`_persistent_tiles`); the ring runs on across key tiles, K/V are double
-  buffered (a consumer loads tile i + 1's once tile i's first step has run)
-  and dk/dv leave through the K/V buffer under the next tile."""
+  buffered (a consumer loads tile i + 1's once tile i's first step has run,
+  or as tile i starts: DKDV_PREFETCH_AT_TILE_START) and dk/dv leave through
+  the K/V buffer under the next tile."""
   it = iter(refs)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
   bias_ref = next(it) if sp.bias_dims is not None else None  # [b, n, S, T]
@@ -1108,9 +1116,14 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         load_kv(ti + 1, 1 - buf)
 
+    at_start = DKDV_PREFETCH_AT_TILE_START
+
     def first_step_done(g, i):
-      if ctas:
+      if ctas and not at_start:
         pl.when((g == 0) & (i == lo))(prefetch_kv)
+
+    if ctas and at_start:
+      prefetch_kv()
 
     # Bias/mask tiles [bk, bq] of the transposed operands.
     load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, k0_wg, bq,
@@ -1188,7 +1201,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       dk, dv, _ = head(jnp.int32(0), carry)
     else:
       dk, dv, _ = lax.fori_loop(jnp.int32(0), jnp.int32(sp.groups), head, carry)
-    if ctas:  # a tile that no query block sees runs no step
+    if ctas and not at_start:  # a tile that no query block sees runs no step
       pl.when(lo >= hi)(prefetch_kv)
     # The tiles are free: every wgmma reading them has been waited for.
     if want_dk:
