@@ -62,6 +62,15 @@ if [[ $what == pending ]]; then
   pt() { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 "$1" python3 -m pytest -q \
     -n ${JOBS:-14} -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}" 2>&1 \
     | grep -v "PytestBenchmarkWarning\|warner(" | tail -25; }
+  # The "mosaic" persistent-kernel GPU tests, logged as step $1's.
+  persistent_tests() { pt 150 tests/test_attention.py -k "TestMosaicGpu and persistent" \
+    | tee "$OUT/pending_$1_tests.log"; }
+  # Per-kernel A/B of "mosaic" VJP config field $2 (False against True) at
+  # the shapes $3, rows in $OUT/$1, at most $4 s (SET passes through).
+  vjp_ab() { mkdir -p "$OUT/$1"
+    PAUSE_S=1 timeout "$4" python3 benchmarks/attention_variance.py "$OUT/$1" 3 "$3" \
+      "vjp.$2" False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" | grep "^{" \
+      | cut -c1-300 | tail -30; }
   export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks
   for step in ${STEP:-1}; do
   case $step in
@@ -113,21 +122,13 @@ if [[ $what == pending ]]; then
          | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/attention_bench.log" | tail -16 ;;
     # 9 (2026-12-05 12:50): the persistent dq kernel (vjp dq_persistent):
     # its GPU tests, then per-kernel A/B at the shipped VJP configs.
-    9) pt 150 tests/test_attention.py -k "TestMosaicGpu and persistent" \
-         | tee "$OUT/pending_9_tests.log"
-       mkdir -p "$OUT/dq_persistent"
-       PAUSE_S=1 timeout 200 python3 benchmarks/attention_variance.py "$OUT/dq_persistent" 3 \
-         "seed,B8 T4096,GQA" vjp.dq_persistent False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" \
-         | grep "^{" | cut -c1-400 | tail -30 ;;
+    9) persistent_tests 9
+       vjp_ab dq_persistent dq_persistent "seed,B8 T4096,GQA" 200 ;;
     # 10 (2026-12-05 15:40): the persistent dk/dv kernel (vjp
     # dkdv_persistent): the persistent GPU tests (all three kernels), then
     # per-kernel A/B at the shipped VJP configs.
-    10) pt 150 tests/test_attention.py -k "TestMosaicGpu and persistent" \
-         | tee "$OUT/pending_10_tests.log"
-       mkdir -p "$OUT/dkdv_persistent"
-       PAUSE_S=1 timeout 240 python3 benchmarks/attention_variance.py "$OUT/dkdv_persistent" 3 \
-         "seed,B8 T4096,GQA" vjp.dkdv_persistent False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" \
-         | grep "^{" | cut -c1-300 | tail -30 ;;
+    10) persistent_tests 10
+       vjp_ab dkdv_persistent dkdv_persistent "seed,B8 T4096,GQA" 240 ;;
     # 11 (2026-12-05 15:50): the persistent GPU tests again at 2 processes
     # (4 of step 10's ran out of memory at 6 on an H100), then the attention
     # benchmark at the new VJP defaults (dq persistent without causal
@@ -141,15 +142,10 @@ if [[ $what == pending ]]; then
     # its GPU tests (with the other persistent ones), then per-kernel A/B
     # against the per-tile kernel, and the first-step prefetch's A/B again
     # (step 10's H128 losses) in the same call.
-    12) SET_ALL="DKDV_PREFETCH_AT_TILE_START=True"
-       pt 150 tests/test_attention.py -k "TestMosaicGpu and persistent" \
-         | tee "$OUT/pending_12_tests.log"
-       for set in "$SET_ALL" ""; do
-         mkdir -p "$OUT/dkdv_prefetch_${set:+start}"
-         SET="$set" PAUSE_S=1 timeout 150 python3 benchmarks/attention_variance.py \
-           "$OUT/dkdv_prefetch_${set:+start}" 3 "B8 T4096,GQA" vjp.dkdv_persistent False,True \
-           2>&1 | grep -v "cuda_timer\|Delay kernel" | grep "^{" | cut -c1-300 | tail -10
-       done ;;
+    12) persistent_tests 12
+       SET="DKDV_PREFETCH_AT_TILE_START=True" vjp_ab dkdv_prefetch_start dkdv_persistent \
+         "B8 T4096,GQA" 150
+       vjp_ab dkdv_prefetch_first_step dkdv_persistent "B8 T4096,GQA" 150 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"
