@@ -246,3 +246,33 @@ def test_keyword_arguments_reach_grad_positionally():
   np.testing.assert_allclose(f_std(*args), 2.0 * jnp.cos(x), rtol=1e-6)
   data = benchmarking.compile_benchmark(f_std, args)(args, iterations=3)
   assert len(data.evaluation_times_ms) == 3
+
+
+@pytest.mark.parametrize("iterations, limit, groups", [
+    (5, 10 << 20, [2, 2, 1]), (5, 1 << 30, [5]), (3, 1 << 20, [1, 1, 1])])
+def test_cupti_groups_calls_by_output_size(monkeypatch, iterations, limit, groups):
+  """CUPTI measurements hold every call's outputs (4 MiB here) until the
+  last call: calls go in groups within CUPTI_OUTPUT_BYTES, and every call's
+  time comes back in order (profiler.measure faked: no GPU here)."""
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+
+  seen, calls = [], iter(range(100))
+
+  def measure(f, *, aggregate=True, iterations=1):
+    del aggregate
+    seen.append(iterations)
+
+    def run(*args):
+      times = [float(next(calls)) for _ in range(iterations)]
+      return f(*args), (times[0] if iterations == 1 else times)
+
+    return run
+
+  monkeypatch.setattr(profiler, "measure", measure)
+  monkeypatch.setattr(benchmarking, "CUPTI_OUTPUT_BYTES", limit)
+  compiled = jax.jit(lambda x: jnp.broadcast_to(x, (1024, 1024))).lower(
+      jnp.float32(1)).compile()
+  assert benchmarking._output_bytes(compiled) == 4 << 20
+  times = benchmarking._cupti_times(compiled, (jnp.float32(1),), iterations)
+  assert seen == groups
+  assert times == [float(i) for i in range(iterations)]

@@ -292,8 +292,25 @@ def _wallclock_times(compiled, args, iterations: int) -> list[float]:
   return times
 
 
+# JAX's CUPTI profiler keeps the outputs of all the calls of one measurement
+# alive until the last call has run: calls are measured in groups whose
+# outputs take at most this many bytes (20 calls of a 4 GiB output, the
+# seed-size q.k^T matmul peer, ran an 80 GB H100 out of memory, 2026-12-05).
+CUPTI_OUTPUT_BYTES = 8 << 30
+
+
+def _output_bytes(compiled) -> int:
+  """Bytes of the outputs of one call of `compiled` (0 if unknown)."""
+  try:
+    outs = jax.tree.leaves(compiled.out_info)
+  except (AttributeError, TypeError):
+    return 0
+  return sum(int(np.prod(o.shape)) * jnp.dtype(o.dtype).itemsize for o in outs)
+
+
 def _cupti_times(compiled, args, iterations: int) -> list[float]:
-  """Summed kernel time (ms) of each of `iterations` calls, through CUPTI."""
+  """Summed kernel time (ms) of each of `iterations` calls, through CUPTI,
+  in groups of calls whose outputs fit CUPTI_OUTPUT_BYTES."""
   try:
     from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
   except ImportError as e:
@@ -317,13 +334,21 @@ def _cupti_times(compiled, args, iterations: int) -> list[float]:
     return float(t)
 
   if "iterations" in params:
-    measured = profiler.measure(compiled, iterations=iterations, **kw)
-    _, timings = measured(*args)
-    if timings is None:
-      return [0.0] * iterations
-    if iterations == 1:
-      return [as_ms(timings)]
-    return [as_ms(t) for t in timings]
+    out_bytes = _output_bytes(compiled)
+    group = iterations
+    if out_bytes:
+      group = max(1, min(iterations, CUPTI_OUTPUT_BYTES // out_bytes))
+    times = []
+    while len(times) < iterations:
+      n = min(group, iterations - len(times))
+      _, timings = profiler.measure(compiled, iterations=n, **kw)(*args)
+      if timings is None:
+        times += [0.0] * n
+      elif n == 1:
+        times.append(as_ms(timings))
+      else:
+        times += [as_ms(t) for t in timings]
+    return times
   measured = profiler.measure(compiled, **kw)
   return [as_ms(measured(*args)[1]) for _ in range(iterations)]
 
