@@ -115,8 +115,9 @@ FUSE_DKDV_MAX_WIDTH = 128
 # with at least this many key tiles per CTA. H100, 2026-12-05: at head dim
 # 64 the dk/dv kernel 6 % faster non-causal, 3.4 % causal (62 tiles per
 # CTA); at 128 no faster non-causal, 2-5 % slower causal (31 tiles per
-# CTA) and 6-17 % slower for GQA (7.8 tiles per CTA: its static rounds
-# balance unequal tiles worse than the hardware's dynamic scheduling).
+# CTA) and 6-17 % slower for GQA (7.8 tiles per CTA). Not imbalance (a
+# list-scheduling model puts the static rounds at the lower bound): at 128
+# the persistent kernel spills more (DKDV_PREFETCH_AT_TILE_START below).
 DKDV_PERSISTENT_MAX_WIDTH = 128
 # Persistent dk/dv: load the next key tile's K/V at the start of a tile
 # (after the previous tile's dk/dv stores have read the buffer) instead of
