@@ -112,10 +112,11 @@ _PRODUCER_REGS = 40
 FUSE_DKDV_MAX_WIDTH = 128
 # The heuristic's persistent dk/dv kernel (`vjp_heuristic_config`): where
 # H + Hv (padded) is at most this, and under a causal mask or a window only
-# with at least this many key tiles per CTA. H100, 2026-12-05: at head dim
-# 64 the dk/dv kernel 6 % faster non-causal, 3.4 % causal (62 tiles per
-# CTA); at 128 no faster non-causal, 2-5 % slower causal (31 tiles per
-# CTA) and 6-17 % slower for GQA (7.8 tiles per CTA). Not imbalance (a
+# with at least this many key tiles per CTA. H100, 2026-12-05 (medians of
+# 3 rounds): at head dim 64 the dk/dv kernel 8.2 % faster non-causal,
+# 3.3 % causal (62 tiles per CTA); at 128 1.2 % faster non-causal, 2.1 %
+# slower causal (31 tiles per CTA) and 15.7 % slower for GQA (7.8 tiles
+# per CTA). Not imbalance (a
 # list-scheduling model puts the static rounds at the lower bound): at 128
 # the persistent kernel spills more (DKDV_PREFETCH_AT_TILE_START below).
 DKDV_PERSISTENT_MAX_WIDTH = 128
