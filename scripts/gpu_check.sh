@@ -44,8 +44,9 @@ if [[ $what == pending ]]; then
   # docs/benchmarks.md has the results; kept to re-run after changes.
   # Steps 6 and 7 ran on the H200, step 8 on an H100 on 2026-12-05 (11:52-);
   # Steps 8 and 9 ran on the H200, 10 and 11 on an H100 on 2026-12-05
-  # (14:55-). Queued: step 8 again on an H200 (JOBS=6; BENCH_S=300) for the
-  # whole table at the persistent VJP defaults, and step 10's A/B there.
+  # (14:55-); the persistent tests and step 8 (tests on an H100, the rest of
+  # the class and the benchmark on the H200; K narrows its tests) on
+  # 2026-12-05 (17:32-). Step 12's A/B is still untimed; nothing else queued.
   # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
   # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
   # dim (the "triton" heuristic's row halves at head dim 128, its bands of
@@ -116,7 +117,8 @@ if [[ $what == pending ]]; then
     # 8 (2026-12-05 12:38): persistent by default (heuristic, search space,
     # shipped cache): the whole "mosaic" GPU class, then the attention
     # benchmark (forward and forward+backward) against cuDNN and XLA.
-    8) JOBS=${JOBS:-8} pt ${TEST_S:-300} tests/test_attention.py -k "TestMosaicGpu" \
+    # K narrows the tests (a -k expression; default the whole class).
+    8) JOBS=${JOBS:-8} pt ${TEST_S:-300} tests/test_attention.py -k "${K:-TestMosaicGpu}" \
          | tee "$OUT/pending_8_tests.log"
        timeout ${BENCH_S:-220} python3 benchmarks/attention.py "$OUT" mosaic,jax.nn 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/attention_bench.log" | tail -16 ;;

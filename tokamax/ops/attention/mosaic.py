@@ -125,7 +125,9 @@ DKDV_PERSISTENT_MAX_WIDTH = 128
 # after the tile's first step. ptxas (sm_90a, 2026-12-05), B8 T4096 N16 H128
 # spill stores/loads: non-causal 136/276 bytes after the first step, 76/148
 # at the start (per-tile kernel 16/48); causal 184/332, 64/116 (120/196).
-# None at head dim 64. Not timed yet (scripts/gpu_check.sh pending, step 12).
+# None at head dim 64. GPU-tested (H100, H200), not timed on its own; with it
+# (and dk issued before dv) the persistent kernel at H128 was no clear gain
+# over the per-tile one (H100, docs/benchmarks.md 2026-12-05 17:32).
 DKDV_PREFETCH_AT_TILE_START = False
 DKDV_PERSISTENT_MIN_BANDED_ROUNDS = 32
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
