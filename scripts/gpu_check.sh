@@ -288,8 +288,9 @@ if [[ $what == ncu ]]; then
       python3 benchmarks/profile_attention.py "$impl" "$shape" "$causal" "$mode" 2>&1 | tail -3
     ncu_pages "$name"
     grep -E "Duration|Registers Per|Achieved Occ|Issue Slots Busy|Compute \(SM\) Th" "/tmp/ncu/$name.txt" | head -12
+    # After every profile: a call cut short keeps the ones done.
+    tar -C /tmp/ncu --exclude="*.ncu-rep" -czf "$OUT/ncu.tar.gz" .
   done
-  tar -C /tmp/ncu -czf "$OUT/ncu.tar.gz" .
   [[ ${BENCH:-1} == 0 ]] && exit
   python3 benchmarks/layer_norm.py "$OUT" 2>&1 | tee "$OUT/ln_bench.log" | tail -14
   timeout ${SWEEP_S:-240} python3 benchmarks/attention_mosaic_sweep.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
