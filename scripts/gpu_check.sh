@@ -281,7 +281,7 @@ if [[ $what == ncu ]]; then
   default="mosaic:seed:0:forward:tokamax:2:1 triton:seed:0:forward:tokamax:2:1"
   for p in ${PROFILES:-$default}; do
     IFS=: read -r impl shape causal mode pat skip count <<< "$p"
-    name=ncu_${impl}_${shape}_c${causal}_${mode}
+    name=ncu_${impl}_${shape}_c${causal}_${mode}_${pat//[^A-Za-z0-9]/}
     mkdir -p /tmp/ncu
     timeout 150 ncu --clock-control none --set full -k "regex:$pat" --launch-skip "$skip" \
       --launch-count "$count" -f -o "/tmp/ncu/$name" \
