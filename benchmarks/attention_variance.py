@@ -17,7 +17,8 @@ of idle before each timed round (default 0), so that the software power
 cap's clock drops hit fewer rounds. nvidia-smi samples the SM clock,
 power and throttle reasons every 50 ms meanwhile. Writes each round's
 per-kernel medians and the clock samples of that round to
-attention_variance.json.
+attention_variance.json, then prints each variant's per-round % change per
+kernel against the first variant (`paired_changes`).
 """
 
 from __future__ import annotations
@@ -164,6 +165,34 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
           {k: row.get(k) for k in ("sm_mhz_min", "sm_mhz_median", "power_w", "throttle")})
   common.save(out_dir, "attention_variance", rows, calls=CALLS, rounds=rounds,
               settings=settings)
+  for line in paired_changes(rows):
+    print(line)
+
+
+def paired_changes(rows) -> list[str]:
+  """Per shape, each variant against the first one, kernel by kernel: the %
+  change in every round. Kernels a flag does not touch drift by a few % between
+  the variants' calls of one round (H100, 2026-12-05), so read a kernel's change
+  against theirs."""
+  by = {}  # (shape, impl, round) -> {kernel: ms}
+  for row in rows:
+    if row["impl"] != "cudnn":
+      kernels = {k.split(":", 1)[-1]: v for k, v in row["kernels_ms"].items()}
+      by[(row["shape"], row["impl"], row["round"])] = kernels
+  lines = []
+  for shape in dict.fromkeys(s for s, _, _ in by):
+    impls = list(dict.fromkeys(i for s, i, _ in by if s == shape))
+    rounds = sorted({r for s, _, r in by if s == shape})
+    for impl in impls[1:]:
+      lines.append(f"{shape}: {impl} against {impls[0]}, % per round")
+      for kernel, ms in by[(shape, impls[0], rounds[0])].items():
+        if ms < 0.05:
+          continue
+        changes = [100 * (by[(shape, impl, r)].get(kernel, float("nan"))
+                          / by[(shape, impls[0], r)][kernel] - 1) for r in rounds
+                   if (shape, impl, r) in by and (shape, impls[0], r) in by]
+        lines.append(f"  {kernel[:48]:48} " + " ".join(f"{c:+.1f}" for c in changes))
+  return lines
 
 
 if __name__ == "__main__":
