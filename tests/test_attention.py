@@ -822,6 +822,22 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
                          vjp=dict(dkdv_persistent=True))
     self.check(dataclasses.replace(FEATURES[feature], t=300, s=260), BF16, feature)
 
+  @pytest.mark.parametrize("feature, persistent", [
+      ("causal", False), ("combined", True), ("soft_cap", False),
+      ("window_left_right", False), ("bias_full", True)])
+  def test_exp_under_dp(self, monkeypatch, feature, persistent):
+    """Both backward kernels computing p while dp = do v^T runs
+    (EXP_UNDER_DP): skip, masked and half steps, bias, cap, persistent tiles
+    (the dq kernel's next rows loaded after dp)."""
+    monkeypatch.setattr(mosaic_attn, "EXP_UNDER_DP", ("dkdv", "dq"))
+    monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
+    self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2,
+                         vjp=dict(dkdv_persistent=persistent, dq_persistent=persistent,
+                                  dq_block_kv=128 if persistent else 64))
+    c = FEATURES[feature]
+    self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
+               BF16, feature)
+
   @pytest.mark.parametrize("feature", ["causal", "kv_lens", "combined"])
   def test_192_key_steps(self, feature):
     """192-key forward steps (three 64-key wgmma contractions; no half step):
@@ -950,6 +966,19 @@ def test_mosaic_lowers_for_cuda(name):
   assert grad_text.count(MOSAIC_TARGET) == (4 if h == 256 else 3)
   assert TRITON_TARGET not in grad_text
 
+
+
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_exp_under_dp_lowers_for_cuda(monkeypatch, causal, h):
+  """The backward kernels with EXP_UNDER_DP lower for an H200."""
+  monkeypatch.setattr(mosaic_attn, "EXP_UNDER_DP", ("dkdv", "dq"))
+  q = jax.ShapeDtypeStruct((2, 1024, 4, h), BF16)
+  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2)
+  loss = lambda q: jnp.sum(op(q, q, q, is_causal=causal).astype(F32))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(jax.grad(loss), q)
+  assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_three_consumers_lower_for_cuda(causal):
@@ -1209,6 +1238,21 @@ class TestMosaicGpu(AttentionTestBase):
                          vjp=dict(dkdv_persistent=True))
     self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h, q_lens=not causal,
                     kv_lens=not causal, kwargs=(("is_causal", causal),)), BF16)
+
+  @pytest.mark.parametrize("feature", ["plain", "causal", "gqa_bias"])
+  @pytest.mark.parametrize("h", [64, 128])
+  def test_exp_under_dp_real_size(self, monkeypatch, feature, h):
+    """Both backward kernels computing p while dp runs (EXP_UNDER_DP) on the
+    GPU: fused (64) and separate (128) dk/dv products, GQA with bias."""
+    monkeypatch.setattr(mosaic_attn, "EXP_UNDER_DP", ("dkdv", "dq"))
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2)
+    causal = feature != "plain"
+    case = Case(batch=(2,), t=2048, s=2048, n=8, kh=2 if feature == "gqa_bias" else 8,
+                h=h, q_lens=not causal, kv_lens=not causal,
+                kwargs=(("is_causal", causal),))
+    if feature == "gqa_bias":
+      case = dataclasses.replace(case, t=1000, s=1100, bias=("full",))
+    self.check(case, BF16)
 
   @pytest.mark.parametrize("config", sorted(
       mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))

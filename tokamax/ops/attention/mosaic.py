@@ -130,6 +130,11 @@ DKDV_PERSISTENT_MAX_WIDTH = 128
 # over the per-tile one (H100, docs/benchmarks.md 2026-12-05 17:32).
 DKDV_PREFETCH_AT_TILE_START = False
 DKDV_PERSISTENT_MIN_BANDED_ROUNDS = 32
+# Backward kernels named here ("dkdv", "dq"): wait for s = q k^T alone, then
+# issue dp = do v^T and compute p's exponentials while it runs (cuDNN's H128
+# bprop does this, H100 SASS 2026-12-05), instead of one wait for both
+# products. Untimed: scripts/gpu_check.sh pending, step 15.
+EXP_UNDER_DP: tuple[str, ...] = ()
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
 # other 64-row consumer at 128-key blocks, a key length just past a block
@@ -1153,16 +1158,30 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         q_t, do_t = q_smem.at[slot], do_smem.at[slot]
         bias_t, mask_t = tiles
         # Key-major blocks [bk, bq]: s^T = k q^T, dp^T = v do^T.
+        exp_under_dp = "dkdv" in EXP_UNDER_DP and want_dk
         pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
-        prods = _products(pairs, (bk, bq))
+        prods = _products(pairs[:1] if exp_under_dp else pairs, (bk, bq))
         first_step_done(g, i)
-        lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
-        band = None
-        if mode == "masked":
-          band = _row_band(sp, i * bq, k0_wg, (bk, bq), q_lim, kv_lim, key_major=True)
-        pt, tanh = _bwd_probabilities(
-            sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]), band,
-            bias_t, mask_t)
+
+        def probabilities():
+          lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
+          band = None
+          if mode == "masked":
+            band = _row_band(sp, i * bq, k0_wg, (bk, bq), q_lim, kv_lim, key_major=True)
+          return _bwd_probabilities(
+              sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]), band,
+              bias_t, mask_t)
+
+        if exp_under_dp:  # p^T's exponentials while dp^T = v do^T runs
+          def dp_product(acc_ref):
+            plgpu.wgmma(acc_ref, *pairs[1])
+            pt, tanh = probabilities()
+            return pt, tanh, acc_ref[...]
+
+          pt, tanh, dpt = pl.run_scoped(dp_product, plgpu.ACC((bk, bq), jnp.float32))
+          prods = (prods[0], dpt)
+        else:
+          pt, tanh = probabilities()
 
         def ds_t():  # ds^T = p^T (dp^T - D), times 1 - tanh^2 under a cap
           delta = plgpu.load(delta_smem.at[slot], layout=col_layout)
@@ -1350,12 +1369,27 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
           delta_b = lax.broadcast_in_dim(delta_rows, (bq, w), [0])
         shape = lse_b.shape
         bias, mask = tiles
-        qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], shape)
-        last_products_done(j)
-        band = None
-        if mode != "full":
-          band = _row_band(sp, r0, j * bk, shape, q_lim, kv_lim)
-        p, tanh = _bwd_probabilities(sp, qk, lse_b, band, bias, mask)
+
+        def probabilities(qk):
+          band = None
+          if mode != "full":
+            band = _row_band(sp, r0, j * bk, shape, q_lim, kv_lim)
+          return _bwd_probabilities(sp, qk, lse_b, band, bias, mask)
+
+        if "dq" in EXP_UNDER_DP:  # p's exponentials while dp = do v^T runs
+          (qk,) = _products([(q_t, k_t.T)], shape)
+
+          def dp_product(acc_ref):
+            plgpu.wgmma(acc_ref, do_t, v_t.T)
+            p, tanh = probabilities(qk)
+            return p, tanh, acc_ref[...]
+
+          p, tanh, dp = pl.run_scoped(dp_product, plgpu.ACC(shape, jnp.float32))
+          last_products_done(j)  # (after dp: the next rows overwrite do_t)
+        else:
+          qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], shape)
+          last_products_done(j)
+          p, tanh = probabilities(qk)
         ds = p * (dp - delta_b)
         if tanh is not None:
           ds = ds * (1.0 - tanh * tanh)
