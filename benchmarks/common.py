@@ -69,12 +69,30 @@ def median_ms(f, args, mode="forward", iterations=20) -> float:
   return benchmarking.benchmark(f_std, flat, iterations=iterations).median_evaluation_time_ms
 
 
+def _top_level_split(text: str) -> list[str]:
+  """text split at the commas outside brackets and quotes ("A=1,B=(2, 3)")."""
+  parts, depth, quote, start = [], 0, None, 0
+  for i, ch in enumerate(text):
+    if quote:
+      quote = None if ch == quote else quote
+    elif ch in "'\"":
+      quote = ch
+    elif ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 0:
+      parts.append(text[start:i])
+      start = i + 1
+  return parts + [text[start:]]
+
+
 def set_constants(module, assignments: str) -> dict:
   """Sets module constants from "NAME=VALUE,..." (Python literals); returns
   {NAME: previous value} so the caller can restore them."""
   previous = {}
-  for item in filter(None, assignments.split(",")):
-    name, value = item.split("=")
+  for item in filter(None, _top_level_split(assignments)):
+    name, value = item.split("=", 1)
     previous.setdefault(name, getattr(module, name))
     setattr(module, name, ast.literal_eval(value))
   return previous
