@@ -1002,6 +1002,18 @@ def _products(pairs, shape):
   return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32) for _ in pairs])
 
 
+def _product_under(pair, shape, work):
+  """(work(), a @ b) for pair = (a, b) (SMEM refs): work runs while the
+  product does, in a fresh f32 accumulator read after it (EXP_UNDER_DP)."""
+
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, *pair)
+    out = work()
+    return out, acc_ref[...]
+
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
 def _accumulate(acc, lhs, rhs, lhs_smem, interpret: bool):
   """acc + lhs @ rhs: lhs 16-bit registers (WGMMA layout), rhs an SMEM ref.
 
@@ -1173,12 +1185,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
               bias_t, mask_t)
 
         if exp_under_dp:  # p^T's exponentials while dp^T = v do^T runs
-          def dp_product(acc_ref):
-            plgpu.wgmma(acc_ref, *pairs[1])
-            pt, tanh = probabilities()
-            return pt, tanh, acc_ref[...]
-
-          pt, tanh, dpt = pl.run_scoped(dp_product, plgpu.ACC((bk, bq), jnp.float32))
+          (pt, tanh), dpt = _product_under(pairs[1], (bk, bq), probabilities)
           prods = (prods[0], dpt)
         else:
           pt, tanh = probabilities()
@@ -1378,13 +1385,8 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
 
         if "dq" in EXP_UNDER_DP:  # p's exponentials while dp = do v^T runs
           (qk,) = _products([(q_t, k_t.T)], shape)
-
-          def dp_product(acc_ref):
-            plgpu.wgmma(acc_ref, do_t, v_t.T)
-            p, tanh = probabilities(qk)
-            return p, tanh, acc_ref[...]
-
-          p, tanh, dp = pl.run_scoped(dp_product, plgpu.ACC(shape, jnp.float32))
+          (p, tanh), dp = _product_under((do_t, v_t.T), shape,
+                                         lambda: probabilities(qk))
           last_products_done(j)  # (after dp: the next rows overwrite do_t)
         else:
           qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], shape)
