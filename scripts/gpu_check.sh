@@ -160,6 +160,16 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout ${AB_S:-400} python3 benchmarks/attention_variance.py "$OUT/exp_under_dp" \
          ${ROUNDS:-3} "${SHAPES:-seed,B8 T4096,GQA}" EXP_UNDER_DP "(),('dkdv','dq')" 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
+    # 16 (2026-12-05 21:00, queued): the software-pipelined dk/dv kernel at
+    # head dims <= 64 (DKDV_PIPELINE: the next step's s, dp under this
+    # step's p, ds, dv, dk): its GPU tests, then the per-kernel A/B at the
+    # seed shape, causal and not (the dk/dv kernel's own change decides).
+    16) JOBS=${JOBS:-3} pt ${TEST_S:-150} tests/test_attention.py -k "dkdv_pipeline" \
+         | tee "$OUT/pending_16_tests.log"
+       mkdir -p "$OUT/dkdv_pipeline"
+       PAUSE_S=1 timeout ${AB_S:-300} python3 benchmarks/attention_variance.py "$OUT/dkdv_pipeline" \
+         ${ROUNDS:-3} "${SHAPES:-seed}" DKDV_PIPELINE False,True 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

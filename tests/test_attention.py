@@ -838,6 +838,29 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
                BF16, feature)
 
+  @pytest.mark.parametrize("feature, persistent, stages", [
+      ("plain", False, 2), ("causal", True, 2), ("gqa_cap_causal", False, 3),
+      ("soft_cap", True, 3), ("kv_lens", False, 2), ("wide_window", True, 2),
+      ("t_ne_s_causal", False, 2), ("bias_full", False, 2)])
+  def test_dkdv_pipeline(self, monkeypatch, feature, persistent, stages):
+    """The software-pipelined dk/dv kernel (DKDV_PIPELINE): runs of full
+    steps of one to many blocks between masked and skipped ones, GQA heads,
+    persistent tiles; with bias tiles it keeps the plain steps. (All but
+    bias_full fail when the pipelined steps take the previous products from
+    the wrong ring slot.)"""
+    monkeypatch.setattr(mosaic_attn, "DKDV_PIPELINE", True)
+    monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
+    self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2,
+                         vjp=dict(num_stages=stages, dkdv_persistent=persistent))
+    cases = dict(
+        gqa_cap_causal=dataclasses.replace(
+            FEATURES["combined_positional"], q_lens=False, kv_lens=False,
+            kwargs=(("is_causal", True), ("logits_soft_cap", 3.0))),
+        wide_window=Case(kwargs=(("local_window_size", (200, 100)),)))
+    c = cases.get(feature) or FEATURES[feature]
+    self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
+               BF16, feature)
+
   @pytest.mark.parametrize("feature", ["causal", "kv_lens", "combined"])
   def test_192_key_steps(self, feature):
     """192-key forward steps (three 64-key wgmma contractions; no half step):
@@ -979,6 +1002,24 @@ def test_mosaic_exp_under_dp_lowers_for_cuda(monkeypatch, causal, h):
   with tokamax.config.cross_compile("NVIDIA H200"):
     text = _lower_text(jax.grad(loss), q)
   assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
+
+@pytest.mark.parametrize("h", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_dkdv_pipeline_lowers_for_cuda(monkeypatch, causal, h):
+  """DKDV_PIPELINE lowers for an H200 and changes the dk/dv kernel only
+  where dv and dk are issued together (head dim 64 here, not 128)."""
+  q = jax.ShapeDtypeStruct((2, 1024, 4, h), BF16)
+  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2)
+  loss = lambda q: jnp.sum(op(q, q, q, is_causal=causal).astype(F32))
+  jaxprs = []
+  for on in (False, True):
+    monkeypatch.setattr(mosaic_attn, "DKDV_PIPELINE", on)
+    with tokamax.config.cross_compile("NVIDIA H200"):
+      jaxprs.append(str(jax.make_jaxpr(jax.grad(loss))(q)))  # kernel bodies too
+      text = _lower_text(jax.grad(loss), q)
+  assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
+  assert (jaxprs[0] != jaxprs[1]) == (h == 64)
+
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_three_consumers_lower_for_cuda(causal):
@@ -1252,6 +1293,20 @@ class TestMosaicGpu(AttentionTestBase):
                 kwargs=(("is_causal", causal),))
     if feature == "gqa_bias":
       case = dataclasses.replace(case, t=1000, s=1100, bias=("full",))
+    self.check(case, BF16)
+
+  @pytest.mark.parametrize("feature", ["plain", "causal", "gqa_lens"])
+  def test_dkdv_pipeline_real_size(self, monkeypatch, feature):
+    """The software-pipelined dk/dv kernel (DKDV_PIPELINE) on the GPU at head
+    dim 64, per-tile and (causal) persistent."""
+    monkeypatch.setattr(mosaic_attn, "DKDV_PIPELINE", True)
+    causal = feature == "causal"
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
+                         vjp=dict(dkdv_persistent=causal))
+    case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=64,
+                kwargs=(("is_causal", causal),))
+    if feature == "gqa_lens":
+      case = dataclasses.replace(case, t=1000, s=1100, kh=2, q_lens=True, kv_lens=True)
     self.check(case, BF16)
 
   @pytest.mark.parametrize("config", sorted(

@@ -135,6 +135,18 @@ DKDV_PERSISTENT_MIN_BANDED_ROUNDS = 32
 # bprop does this, H100 SASS 2026-12-05), instead of one wait for both
 # products. Untimed: scripts/gpu_check.sh pending, step 15.
 EXP_UNDER_DP: tuple[str, ...] = ()
+# dk/dv kernel where dv and dk are issued together (FUSE_DKDV_MAX_WIDTH) and
+# without bias/mask tiles, with a ring of >= 2 stages: runs of full steps are
+# software-pipelined (FA3 Sec. 3.2's intra-warpgroup overlap, applied to the
+# backward). Each step first issues the next step's s = k q^T and dp = v do^T,
+# then computes its own p, ds (from the s, dp carried in) and issues its dv,
+# dk; one wait. At the seed shape the kernel's tensor pipe was 59 % busy
+# (ncu, H200 2026-12-01) and p's exponentials ran with none of the
+# consumer's own products in flight; with the flag all 32 MUFU.EX2 of a step
+# sit between the next step's wgmma instructions (SASS, no spills in the
+# step loop). Untimed: scripts/gpu_check.sh pending, step 16
+# (docs/benchmarks.md 2026-12-05 20:20).
+DKDV_PIPELINE = False
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
 # other 64-row consumer at 128-key blocks, a key length just past a block
@@ -1159,11 +1171,30 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       g_next = jnp.where(more, g, jnp.minimum(g + 1, sp.groups - 1))
       return load_tiles(kh * sp.groups + g_next, jnp.where(more, i + 1, lo))
 
+    def slot_at(g, i):  # the ring slot of head g's query block i
+      step_in_tile = g * per_head + i - lo
+      return slot_of(step_in_tile if k0 is None else k0 + step_in_tile)
+
+    def probabilities(slot, i, mode, st, bias_t, mask_t):  # (p^T f32, tanh)
+      lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
+      band = None
+      if mode == "masked":
+        band = _row_band(sp, i * bq, k0_wg, (bk, bq), q_lim, kv_lim, key_major=True)
+      return _bwd_probabilities(
+          sp, st, lax.broadcast_in_dim(lse2, (bk, bq), [1]), band, bias_t, mask_t)
+
+    def ds_of(slot, pt, tanh, dpt):  # ds^T = p^T (dp^T - D) (f32), times
+      # 1 - tanh^2 under a cap
+      delta = plgpu.load(delta_smem.at[slot], layout=col_layout)
+      dst = pt * (dpt - lax.broadcast_in_dim(delta, (bk, bq), [1]))
+      if tanh is not None:
+        dst = dst * (1.0 - tanh * tanh)
+      return dst
+
     def step(i, carry, g, mode):
       dk, dv, tiles = carry
       tiles = tiles or (None, None)
-      step_in_tile = g * per_head + i - lo
-      slot = slot_of(step_in_tile if k0 is None else k0 + step_in_tile)
+      slot = slot_at(g, i)
       nxt = tiles_after(g, i)
       plgpu.barrier_wait(ready.at[slot])
       if mode != "skip":
@@ -1174,28 +1205,13 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
         prods = _products(pairs[:1] if exp_under_dp else pairs, (bk, bq))
         first_step_done(g, i)
-
-        def probabilities():
-          lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
-          band = None
-          if mode == "masked":
-            band = _row_band(sp, i * bq, k0_wg, (bk, bq), q_lim, kv_lim, key_major=True)
-          return _bwd_probabilities(
-              sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]), band,
-              bias_t, mask_t)
-
+        probs = lambda: probabilities(slot, i, mode, prods[0], bias_t, mask_t)
         if exp_under_dp:  # p^T's exponentials while dp^T = v do^T runs
-          (pt, tanh), dpt = _product_under(pairs[1], (bk, bq), probabilities)
+          (pt, tanh), dpt = _product_under(pairs[1], (bk, bq), probs)
           prods = (prods[0], dpt)
         else:
-          pt, tanh = probabilities()
-
-        def ds_t():  # ds^T = p^T (dp^T - D), times 1 - tanh^2 under a cap
-          delta = plgpu.load(delta_smem.at[slot], layout=col_layout)
-          dst = pt * (prods[1] - lax.broadcast_in_dim(delta, (bk, bq), [1]))
-          if tanh is not None:
-            dst = dst * (1.0 - tanh * tanh)
-          return dst.astype(dtype)
+          pt, tanh = probs()
+        ds_t = lambda: ds_of(slot, pt, tanh, prods[1]).astype(dtype)
 
         if want_dk and want_dv and not interpret and fuse_dkdv:
           # dv += p^T do runs on the tensor cores while ds^T is computed;
@@ -1216,10 +1232,98 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv, nxt
 
+    # DKDV_PIPELINE: a run of full steps [a, c) of head g in three loops of
+    # at most one, c - a - 1 and one trips (a wgmma cannot sit under a
+    # runtime condition): step a's s, dp; steps a .. c - 2, each issuing the
+    # next step's s, dp and then computing its own p, ds (from the s, dp
+    # carried in) and dv, dk while those run; step c - 1's p, ds, dv, dk.
+    # (FA3 Sec. 3.2 for the backward. ptxas places a product's wait right
+    # after its last wgmma instruction and fills the gaps between wgmma
+    # instructions with work that later wgmmas need, so work that only has
+    # to finish before the wait runs under a product only if a later wgmma
+    # consumes it: here p and ds feed dv and dk. SASS, 2026-12-05.)
+    pipelined = (DKDV_PIPELINE and want_dk and want_dv and fuse_dkdv and no_tiles
+                 and stages >= 2)
+
+    def sdp_operands(slot):
+      # (A closed-over literal index fails run_state's lowering: traced.)
+      buf_t = buf + wg * 0
+      return [(k_smem.at[buf_t, wg], q_smem.at[slot].T),
+              (v_smem.at[buf_t, wg], do_smem.at[slot].T)]
+
+    def dkdv_update(refs, slot, i, st, dpt):
+      """Issues dv += p^T do, then dk += ds^T q for step i (slot) from its
+      s^T, dp^T; ds^T is computed while dv's product runs."""
+      dv_ref, dk_ref = refs
+      pt, tanh = probabilities(slot, i, "full", st, None, None)
+      plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
+      plgpu.wgmma(dk_ref, ds_of(slot, pt, tanh, dpt).astype(dtype), q_smem.at[slot])
+
+    def dkdv_updated(dk, dv, slot, i, st, dpt):  # (dk, dv) after dkdv_update
+      if not interpret:
+        dv, dk = pl.run_state(lambda refs: dkdv_update(refs, slot, i, st, dpt))(
+            (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+        return dk, dv
+      # No register operands in the interpreter: SMEM tiles, one at a time.
+      pt, tanh = probabilities(slot, i, "full", st, None, None)
+      dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot], t_tile, interpret)
+      dst = ds_of(slot, pt, tanh, dpt).astype(dtype)
+      return _accumulate(dk, dst, q_smem.at[slot], t_tile, interpret), dv
+
+    def pipe_first(i, carry, g):
+      dk, dv, _, _ = carry
+      slot = slot_at(g, i)
+      plgpu.barrier_wait(ready.at[slot])
+      st, dpt = _products(sdp_operands(slot), (bk, bq))
+      first_step_done(g, i)
+      return dk, dv, st, dpt
+
+    def pipe_step(i, carry, g):
+      dk, dv, st, dpt = carry
+      slot, slot_next = slot_at(g, i), slot_at(g, i + 1)
+      plgpu.barrier_wait(ready.at[slot_next])
+      if interpret:
+        st_next, dpt_next = _products(sdp_operands(slot_next), (bk, bq))
+        dk, dv = dkdv_updated(dk, dv, slot, i, st, dpt)
+      else:
+        def run(refs):
+          dv_ref, dk_ref, s_ref, dp_ref = refs
+          for acc_ref, (a, b) in zip((s_ref, dp_ref), sdp_operands(slot_next)):
+            plgpu.wgmma(acc_ref, a, b)
+          dkdv_update((dv_ref, dk_ref), slot, i, st, dpt)
+
+        zero = plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), plgpu.Layout.WGMMA)
+        dv, dk, st_next, dpt_next = pl.run_state(run)(
+            (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zero),
+             plgpu.ACC.init(zero)))
+      plgpu.barrier_arrive(free.at[slot])
+      return dk, dv, st_next, dpt_next
+
+    def pipe_last(i, carry, g):
+      dk, dv, st, dpt = carry
+      slot = slot_at(g, i)
+      dk, dv = dkdv_updated(dk, dv, slot, i, st, dpt)
+      plgpu.barrier_arrive(free.at[slot])
+      return dk, dv, st, dpt
+
+    def pipelined_run(g, a, c, carry):
+      dk, dv, nxt = carry
+      zero = plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), plgpu.Layout.WGMMA)
+      state = (dk, dv, zero, zero)
+      state = lax.fori_loop(a, jnp.minimum(a + 1, c), functools.partial(pipe_first, g=g),
+                            state)
+      last = jnp.maximum(c - 1, a)
+      state = lax.fori_loop(a, last, functools.partial(pipe_step, g=g), state)
+      state = lax.fori_loop(last, c, functools.partial(pipe_last, g=g), state)
+      return state[0], state[1], nxt
+
     def head(g, carry):
       for start, stop, mode in segments:
-        carry = lax.fori_loop(
-            start, stop, functools.partial(step, g=g, mode=mode), carry)
+        if pipelined and mode == "full":
+          carry = pipelined_run(g, start, stop, carry)
+        else:
+          carry = lax.fori_loop(
+              start, stop, functools.partial(step, g=g, mode=mode), carry)
       return carry
 
     acc = lambda w: plgpu.layout_cast(jnp.zeros((bk, w), jnp.float32),
