@@ -160,16 +160,23 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout ${AB_S:-400} python3 benchmarks/attention_variance.py "$OUT/exp_under_dp" \
          ${ROUNDS:-3} "${SHAPES:-seed,B8 T4096,GQA}" EXP_UNDER_DP "(),('dkdv','dq')" 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
-    # 16 (2026-12-05 21:00, queued): the software-pipelined dk/dv kernel at
-    # head dims <= 64 (DKDV_PIPELINE: the next step's s, dp under this
-    # step's p, ds, dv, dk): its GPU tests, then the per-kernel A/B at the
-    # seed shape, causal and not (the dk/dv kernel's own change decides).
-    16) JOBS=${JOBS:-3} pt ${TEST_S:-150} tests/test_attention.py -k "dkdv_pipeline" \
+    # 16 (2026-12-05 21:00, queued): the software-pipelined backward steps
+    # (SOFTWARE_PIPELINE: the next step's s, dp under this step's p, ds and
+    # dv, dk or dq): the GPU tests, then per-kernel A/Bs: the dk/dv kernel
+    # at the seed shape; the dq kernel at the seed shape as two pipelined
+    # consumers against the shipped three (plain: it pipelines with two
+    # only); the dq kernel at head dim 128 (two consumers both ways).
+    16) JOBS=${JOBS:-3} pt ${TEST_S:-150} tests/test_attention.py -k "software_pipeline" \
          | tee "$OUT/pending_16_tests.log"
-       mkdir -p "$OUT/dkdv_pipeline"
-       PAUSE_S=1 timeout ${AB_S:-300} python3 benchmarks/attention_variance.py "$OUT/dkdv_pipeline" \
-         ${ROUNDS:-3} "${SHAPES:-seed}" DKDV_PIPELINE False,True 2>&1 \
-         | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
+       ab() {  # name, shapes, flag, values, [SET]
+         mkdir -p "$OUT/$1"
+         SET="${5:-}" PAUSE_S=1 timeout ${AB_S:-200} python3 benchmarks/attention_variance.py \
+           "$OUT/$1" ${ROUNDS:-3} "$2" "$3" "$4" 2>&1 \
+           | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -24
+       }
+       ab pipeline_dkdv seed SOFTWARE_PIPELINE "(),('dkdv',)"
+       ab pipeline_dq_seed seed vjp.dq_consumers 3,2 "SOFTWARE_PIPELINE=('dq',)"
+       ab pipeline_dq_h128 "B8 T4096,GQA" SOFTWARE_PIPELINE "(),('dq',)" ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

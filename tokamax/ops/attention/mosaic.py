@@ -135,18 +135,21 @@ DKDV_PERSISTENT_MIN_BANDED_ROUNDS = 32
 # bprop does this, H100 SASS 2026-12-05), instead of one wait for both
 # products. Untimed: scripts/gpu_check.sh pending, step 15.
 EXP_UNDER_DP: tuple[str, ...] = ()
-# dk/dv kernel where dv and dk are issued together (FUSE_DKDV_MAX_WIDTH) and
-# without bias/mask tiles, with a ring of >= 2 stages: runs of full steps are
-# software-pipelined (FA3 Sec. 3.2's intra-warpgroup overlap, applied to the
-# backward). Each step first issues the next step's s = k q^T and dp = v do^T,
-# then computes its own p, ds (from the s, dp carried in) and issues its dv,
-# dk; one wait. At the seed shape the kernel's tensor pipe was 59 % busy
-# (ncu, H200 2026-12-01) and p's exponentials ran with none of the
-# consumer's own products in flight; with the flag all 32 MUFU.EX2 of a step
-# sit between the next step's wgmma instructions (SASS, no spills in the
-# step loop). Untimed: scripts/gpu_check.sh pending, step 16
-# (docs/benchmarks.md 2026-12-05 20:20).
-DKDV_PIPELINE = False
+# Backward kernels named here ("dkdv", "dq") software-pipeline their runs of
+# full steps when there are no bias/mask tiles and the ring has >= 2 stages
+# (FA3 Sec. 3.2's intra-warpgroup overlap, applied to the backward; dk/dv
+# only where dv and dk are issued together, FUSE_DKDV_MAX_WIDTH): each step
+# first issues the next step's s = q k^T and dp = do v^T, then computes its
+# own p, ds (from the s, dp carried in) and issues its dv, dk or dq; one
+# wait. ptxas runs work under a product only where a later wgmma consumes it
+# (here p, ds feed dv, dk, dq): with the flag all 32 MUFU.EX2 of a seed-shape
+# dk/dv step sit between the next step's wgmma instructions (SASS, no spills
+# in the step loop), where the shipped step computes them with none of its
+# own products in flight (its tensor pipe was 59 % busy, ncu, H200
+# 2026-12-01). The carried and the next s, dp are 4 f32 blocks per thread:
+# the dq kernel pipelines with two consumers only. Untimed:
+# scripts/gpu_check.sh pending, step 16 (docs/benchmarks.md 2026-12-05 20:20).
+SOFTWARE_PIPELINE: tuple[str, ...] = ()
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
 # other 64-row consumer at 128-key blocks, a key length just past a block
@@ -1026,6 +1029,18 @@ def _product_under(pair, shape, work):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
+def _pipelined_run(a, c, state, first, step, last):
+  """A run of steps [a, c) as three loops of at most one, c - a - 1 and one
+  trips (a wgmma cannot sit under a runtime condition; SOFTWARE_PIPELINE):
+  first(a, state) issues step a's products and waits for them; step(i,
+  state) issues step i + 1's, then finishes step i under them; last(c - 1,
+  state) finishes the last step."""
+  state = lax.fori_loop(a, jnp.minimum(a + 1, c), first, state)
+  end = jnp.maximum(c - 1, a)
+  state = lax.fori_loop(a, end, step, state)
+  return lax.fori_loop(end, c, last, state)
+
+
 def _accumulate(acc, lhs, rhs, lhs_smem, interpret: bool):
   """acc + lhs @ rhs: lhs 16-bit registers (WGMMA layout), rhs an SMEM ref.
 
@@ -1232,18 +1247,11 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv, nxt
 
-    # DKDV_PIPELINE: a run of full steps [a, c) of head g in three loops of
-    # at most one, c - a - 1 and one trips (a wgmma cannot sit under a
-    # runtime condition): step a's s, dp; steps a .. c - 2, each issuing the
-    # next step's s, dp and then computing its own p, ds (from the s, dp
-    # carried in) and dv, dk while those run; step c - 1's p, ds, dv, dk.
-    # (FA3 Sec. 3.2 for the backward. ptxas places a product's wait right
-    # after its last wgmma instruction and fills the gaps between wgmma
-    # instructions with work that later wgmmas need, so work that only has
-    # to finish before the wait runs under a product only if a later wgmma
-    # consumes it: here p and ds feed dv and dk. SASS, 2026-12-05.)
-    pipelined = (DKDV_PIPELINE and want_dk and want_dv and fuse_dkdv and no_tiles
-                 and stages >= 2)
+    # SOFTWARE_PIPELINE: a run of full steps [a, c) of head g
+    # (`_pipelined_run`): each step issues the next step's s, dp, then
+    # computes its own p, ds (from the s, dp carried in) and issues dv, dk.
+    pipelined = ("dkdv" in SOFTWARE_PIPELINE and want_dk and want_dv and fuse_dkdv
+                 and no_tiles and stages >= 2)
 
     def sdp_operands(slot):
       # (A closed-over literal index fails run_state's lowering: traced.)
@@ -1309,13 +1317,10 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
     def pipelined_run(g, a, c, carry):
       dk, dv, nxt = carry
       zero = plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), plgpu.Layout.WGMMA)
-      state = (dk, dv, zero, zero)
-      state = lax.fori_loop(a, jnp.minimum(a + 1, c), functools.partial(pipe_first, g=g),
-                            state)
-      last = jnp.maximum(c - 1, a)
-      state = lax.fori_loop(a, last, functools.partial(pipe_step, g=g), state)
-      state = lax.fori_loop(last, c, functools.partial(pipe_last, g=g), state)
-      return state[0], state[1], nxt
+      dk, dv, _, _ = _pipelined_run(
+          a, c, (dk, dv, zero, zero), *(functools.partial(f, g=g)
+                                        for f in (pipe_first, pipe_step, pipe_last)))
+      return dk, dv, nxt
 
     def head(g, carry):
       for start, stop, mode in segments:
@@ -1509,10 +1514,72 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
       plgpu.barrier_arrive(free.at[slot])
       return dq, nxt
 
+    # SOFTWARE_PIPELINE: a run of full steps [a, c) (`_pipelined_run`):
+    # each step issues the next step's s, dp, then computes its own p, ds
+    # (from the s, dp carried in) and issues dq += ds k.
+    # Two consumers only: with three (152 registers) ptxas moves the
+    # exponentials ahead of the next step's wgmmas (SASS, 2026-12-05).
+    pipelined = ("dq" in SOFTWARE_PIPELINE and bias_ref is None and mask_ref is None
+                 and stages >= 2 and nc == 2)
+    k_at = lambda slot: k_smem.at[slot]
+    t_tile = t_smem.at[wg] if interpret else None
+
+    def sdp_next(slot):  # the products of the step in slot, issued or run
+      return [(q_t, k_smem.at[slot].T), (do_t, v_smem.at[slot].T)]
+
+    def ds16(qk, dp):  # ds = p (dp - D), times 1 - tanh^2 under a cap, 16-bit
+      p, tanh = _bwd_probabilities(sp, qk, lse2, None, None, None)
+      ds = p * (dp - delta)
+      if tanh is not None:
+        ds = ds * (1.0 - tanh * tanh)
+      return ds.astype(dtype)
+
+    def pipe_first(j, state):
+      dq, _, _ = state
+      slot = slot_of(j)
+      plgpu.barrier_wait(ready.at[slot])
+      qk, dp = _products(sdp_next(slot), lse2.shape)
+      last_products_done(j)
+      return dq, qk, dp
+
+    def pipe_step(j, state):
+      dq, qk, dp = state
+      slot, slot_next = slot_of(j), slot_of(j + 1)
+      plgpu.barrier_wait(ready.at[slot_next])
+      if interpret:
+        qk_next, dp_next = _products(sdp_next(slot_next), lse2.shape)
+        dq = _accumulate(dq, ds16(qk, dp), k_at(slot), t_tile, interpret)
+      else:
+        def run(refs):
+          dq_ref, s_ref, dp_ref = refs
+          for acc_ref, (a, b) in zip((s_ref, dp_ref), sdp_next(slot_next)):
+            plgpu.wgmma(acc_ref, a, b)
+          plgpu.wgmma(dq_ref, ds16(qk, dp), k_at(slot))
+
+        zero = plgpu.layout_cast(jnp.zeros(lse2.shape, jnp.float32), plgpu.Layout.WGMMA)
+        dq, qk_next, dp_next = pl.run_state(run)(
+            (plgpu.ACC.init(dq), plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
+      last_products_done(j + 1)
+      plgpu.barrier_arrive(free.at[slot])
+      return dq, qk_next, dp_next
+
+    def pipe_last(j, state):
+      dq, qk, dp = state
+      slot = slot_of(j)
+      dq = _accumulate(dq, ds16(qk, dp), k_at(slot), t_tile, interpret)
+      plgpu.barrier_arrive(free.at[slot])
+      return dq, qk, dp
+
     carry = (plgpu.layout_cast(jnp.zeros(q_t.shape, jnp.float32), plgpu.Layout.WGMMA),
              load_tiles(n, lo))
     for start, stop, mode in segments:
-      carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
+      if pipelined and mode == "full":
+        zero = plgpu.layout_cast(jnp.zeros(lse2.shape, jnp.float32), plgpu.Layout.WGMMA)
+        dq, _, _ = _pipelined_run(start, stop, (carry[0], zero, zero), pipe_first,
+                                  pipe_step, pipe_last)
+        carry = (dq, carry[1])
+      else:
+        carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
     if ctas:  # a tile without key blocks: the rows' buffers are not in use
       pl.when(lo >= hi)(lambda: prefetch_rows(i))
     dq, _ = carry
