@@ -9,7 +9,7 @@ rounds (default 6), each on freshly allocated random inputs (a new seed),
 of tokamax.ops.attention.mosaic, or "triton.NAME" of tokamax.ops.attention.
 triton, which then times "triton" instead, or "vjp.FIELD", a field of the
 "mosaic" backward config, set on the shape's heuristic config, which is
-also the shipped one) and VALUES (comma-separated Python literals), the
+also the shipped one; "vjp.F1+F2" sets several, its VALUES tuples) and VALUES (comma-separated Python literals), the
 implementation is compiled once per value and every round times each (an
 A/B per kernel under the same clocks). Environment SET ("NAME=VALUE,...")
 sets constants of the mosaic module for every variant first. PAUSE_S: seconds
@@ -123,9 +123,11 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
       if flag.startswith("vjp."):  # explicit backward configs
         base = mosaic_attn.vjp_heuristic_config(t, t, h, h, 2, causal, b * kh)
         for name, value in variants.items():
+          fields = flag.removeprefix("vjp.").split("+")  # vjp.A+B: tuple values
+          value = value if len(fields) > 1 else (value,)
           op = mosaic_attn.MosaicDotProductAttention(
               vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=dataclasses.replace(
-                  base, **{flag.removeprefix("vjp."): value})))
+                  base, **dict(zip(fields, value)))))
           fns[name] = functools.partial(op, is_causal=causal)
       fns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")

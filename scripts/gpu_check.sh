@@ -46,8 +46,8 @@ if [[ $what == pending ]]; then
   # Steps 8 and 9 ran on the H200, 10 and 11 on an H100 on 2026-12-05
   # (14:55-); the persistent tests and step 8 (tests on an H100, the rest of
   # the class and the benchmark on the H200; K narrows its tests) on
-  # 2026-12-05 (17:32-). Queued: step 15 (STEP=15; about 550 s). Step 12's
-  # A/B is still untimed.
+  # 2026-12-05 (17:32-). Step 15 ran on an H100 on 2026-12-05 (20:20-).
+  # Step 12's A/B is still untimed.
   # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
   # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
   # dim (the "triton" heuristic's row halves at head dim 128, its bands of
@@ -149,7 +149,8 @@ if [[ $what == pending ]]; then
        SET="DKDV_PREFETCH_AT_TILE_START=True" vjp_ab dkdv_prefetch_start dkdv_persistent \
          "B8 T4096,GQA" 150
        vjp_ab dkdv_prefetch_first_step dkdv_persistent "B8 T4096,GQA" 150 ;;
-    # 15 (2026-12-05 18:45, queued): both backward kernels computing p's
+    # 15 (2026-12-05 18:45; ran on an H100 on 2026-12-05 21:35, dk/dv only
+    # shipped since): both backward kernels computing p's
     # exponentials while dp = do v^T runs (EXP_UNDER_DP, as cuDNN's bprop
     # does): the GPU tests, then the per-kernel A/B at the benchmark shapes
     # (attention_variance prints the per-round changes per kernel; each
@@ -160,23 +161,6 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout ${AB_S:-400} python3 benchmarks/attention_variance.py "$OUT/exp_under_dp" \
          ${ROUNDS:-3} "${SHAPES:-seed,B8 T4096,GQA}" EXP_UNDER_DP "(),('dkdv','dq')" 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
-    # 16 (2026-12-05 21:00, queued): the software-pipelined backward steps
-    # (SOFTWARE_PIPELINE: the next step's s, dp under this step's p, ds and
-    # dv, dk or dq): the GPU tests, then per-kernel A/Bs: the dk/dv kernel
-    # at the seed shape; the dq kernel at the seed shape as two pipelined
-    # consumers against the shipped three (plain: it pipelines with two
-    # only); the dq kernel at head dim 128 (two consumers both ways).
-    16) JOBS=${JOBS:-3} pt ${TEST_S:-150} tests/test_attention.py -k "software_pipeline" \
-         | tee "$OUT/pending_16_tests.log"
-       ab() {  # name, shapes, flag, values, [SET]
-         mkdir -p "$OUT/$1"
-         SET="${5:-}" PAUSE_S=1 timeout ${AB_S:-200} python3 benchmarks/attention_variance.py \
-           "$OUT/$1" ${ROUNDS:-3} "$2" "$3" "$4" 2>&1 \
-           | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -24
-       }
-       ab pipeline_dkdv seed SOFTWARE_PIPELINE "(),('dkdv',)"
-       ab pipeline_dq_seed seed vjp.dq_consumers 3,2 "SOFTWARE_PIPELINE=('dq',)"
-       ab pipeline_dq_h128 "B8 T4096,GQA" SOFTWARE_PIPELINE "(),('dq',)" ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

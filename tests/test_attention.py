@@ -822,46 +822,21 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
                          vjp=dict(dkdv_persistent=True))
     self.check(dataclasses.replace(FEATURES[feature], t=300, s=260), BF16, feature)
 
+  @pytest.mark.parametrize("orders", [(), ("dkdv", "dq")])
   @pytest.mark.parametrize("feature, persistent", [
       ("causal", False), ("combined", True), ("soft_cap", False),
       ("window_left_right", False), ("bias_full", True)])
-  def test_exp_under_dp(self, monkeypatch, feature, persistent):
-    """Both backward kernels computing p while dp = do v^T runs
-    (EXP_UNDER_DP): skip, masked and half steps, bias, cap, persistent tiles
-    (the dq kernel's next rows loaded after dp)."""
-    monkeypatch.setattr(mosaic_attn, "EXP_UNDER_DP", ("dkdv", "dq"))
+  def test_exp_under_dp(self, monkeypatch, feature, persistent, orders):
+    """Both backward kernels computing p while dp = do v^T runs, and neither
+    (EXP_UNDER_DP; the default is the dk/dv kernel only): skip, masked and
+    half steps, bias, cap, persistent tiles (the dq kernel's next rows
+    loaded after dp)."""
+    monkeypatch.setattr(mosaic_attn, "EXP_UNDER_DP", orders)
     monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
     self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2,
                          vjp=dict(dkdv_persistent=persistent, dq_persistent=persistent,
                                   dq_block_kv=128 if persistent else 64))
     c = FEATURES[feature]
-    self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
-               BF16, feature)
-
-  @pytest.mark.parametrize("feature, persistent, stages", [
-      ("plain", False, 2), ("causal", True, 2), ("gqa_cap_causal", False, 3),
-      ("soft_cap", True, 3), ("kv_lens", False, 2), ("wide_window", True, 2),
-      ("t_ne_s_causal", False, 2), ("bias_full", False, 2)])
-  def test_software_pipeline(self, monkeypatch, feature, persistent, stages):
-    """Both backward kernels software-pipelined (SOFTWARE_PIPELINE): runs of
-    full steps of one to many blocks between masked and skipped ones, GQA
-    heads, persistent tiles; with bias tiles, and the dq kernel with three
-    consumers, they keep the plain steps. (Every case but bias_full fails
-    when the dk/dv kernel's pipelined step reads the next step's lse, and
-    every two-consumer case when the dq kernel's takes the next step's
-    keys.)"""
-    monkeypatch.setattr(mosaic_attn, "SOFTWARE_PIPELINE", ("dkdv", "dq"))
-    monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
-    self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2,
-                         vjp=dict(num_stages=stages, dq_num_stages=stages,
-                                  dkdv_persistent=persistent, dq_persistent=persistent,
-                                  dq_consumers=2 + (stages == 3)))
-    cases = dict(
-        gqa_cap_causal=dataclasses.replace(
-            FEATURES["combined_positional"], q_lens=False, kv_lens=False,
-            kwargs=(("is_causal", True), ("logits_soft_cap", 3.0))),
-        wide_window=Case(kwargs=(("local_window_size", (200, 100)),)))
-    c = cases.get(feature) or FEATURES[feature]
     self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
                BF16, feature)
 
@@ -995,37 +970,18 @@ def test_mosaic_lowers_for_cuda(name):
 
 
 
+@pytest.mark.parametrize("orders", [(), ("dkdv", "dq")])
 @pytest.mark.parametrize("h", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mosaic_exp_under_dp_lowers_for_cuda(monkeypatch, causal, h):
-  """The backward kernels with EXP_UNDER_DP lower for an H200."""
-  monkeypatch.setattr(mosaic_attn, "EXP_UNDER_DP", ("dkdv", "dq"))
+def test_mosaic_exp_under_dp_lowers_for_cuda(monkeypatch, causal, h, orders):
+  """The backward kernels with and without EXP_UNDER_DP lower for an H200."""
+  monkeypatch.setattr(mosaic_attn, "EXP_UNDER_DP", orders)
   q = jax.ShapeDtypeStruct((2, 1024, 4, h), BF16)
   op = _mosaic_op(block_q=64, block_kv=128, num_stages=2)
   loss = lambda q: jnp.sum(op(q, q, q, is_causal=causal).astype(F32))
   with tokamax.config.cross_compile("NVIDIA H200"):
     text = _lower_text(jax.grad(loss), q)
   assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
-
-@pytest.mark.parametrize("kernels", [("dkdv",), ("dq",)])
-@pytest.mark.parametrize("h", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_mosaic_software_pipeline_lowers_for_cuda(monkeypatch, causal, h, kernels):
-  """SOFTWARE_PIPELINE lowers for an H200 and changes the dq kernel, and the
-  dk/dv kernel only where dv and dk are issued together (head dim 64 here,
-  not 128)."""
-  q = jax.ShapeDtypeStruct((2, 1024, 4, h), BF16)
-  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2)
-  loss = lambda q: jnp.sum(op(q, q, q, is_causal=causal).astype(F32))
-  jaxprs = []
-  for on in ((), kernels):
-    monkeypatch.setattr(mosaic_attn, "SOFTWARE_PIPELINE", on)
-    with tokamax.config.cross_compile("NVIDIA H200"):
-      jaxprs.append(str(jax.make_jaxpr(jax.grad(loss))(q)))  # kernel bodies too
-      text = _lower_text(jax.grad(loss), q)
-  assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
-  assert (jaxprs[0] != jaxprs[1]) == (h == 64 or kernels == ("dq",))
-
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_three_consumers_lower_for_cuda(causal):
@@ -1299,22 +1255,6 @@ class TestMosaicGpu(AttentionTestBase):
                 kwargs=(("is_causal", causal),))
     if feature == "gqa_bias":
       case = dataclasses.replace(case, t=1000, s=1100, bias=("full",))
-    self.check(case, BF16)
-
-  @pytest.mark.parametrize("feature", ["plain", "causal", "gqa_lens"])
-  @pytest.mark.parametrize("h", [64, 128])
-  def test_software_pipeline_real_size(self, monkeypatch, feature, h):
-    """Both backward kernels software-pipelined (SOFTWARE_PIPELINE) on the
-    GPU: dk/dv at head dim 64 (at 128 it keeps its steps), dq with two
-    consumers; per-tile and persistent."""
-    monkeypatch.setattr(mosaic_attn, "SOFTWARE_PIPELINE", ("dkdv", "dq"))
-    causal = feature == "causal"
-    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
-                         vjp=dict(dkdv_persistent=causal, dq_persistent=not causal))
-    case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=h,
-                kwargs=(("is_causal", causal),))
-    if feature == "gqa_lens":
-      case = dataclasses.replace(case, t=1000, s=1100, kh=2, q_lens=True, kv_lens=True)
     self.check(case, BF16)
 
   @pytest.mark.parametrize("config", sorted(

@@ -88,15 +88,14 @@ def test_fuzz_triton_attention(t, s, bq, bk, window, h, parts, dtype, kh, g, cau
     window=st.sampled_from(WINDOWS + [(0, 70), (90, 0)]), h=st.sampled_from([64, 40]),
     consumers=st.sampled_from([2, 3]), bk=st.sampled_from([64, 128]),
     dq_consumers=st.sampled_from([2, 3]), ctas=st.sampled_from([0, 1, 2, 3, 5]),
-    exp_under_dp=st.sampled_from([(), ("dkdv", "dq")]), pipeline=st.sampled_from([(), ("dkdv",), ("dq",), ("dkdv", "dq")]),
+    exp_under_dp=st.sampled_from([(), ("dkdv", "dq")]),
     **_FEATURES,
 )
 def test_fuzz_mosaic_attention(t, s, stages, window, h, consumers, bk, dq_consumers,
-                               ctas, exp_under_dp, pipeline, kh, g, causal, bias, mask,
-                               lens, cap, hv):
+                               ctas, exp_under_dp, kh, g, causal, bias, mask, lens, cap,
+                               hv):
   """ctas > 0: the persistent forward, dq and dk/dv kernels on that many CTAs;
-  exp_under_dp: the backward kernels' EXP_UNDER_DP step order; pipeline: the
-  backward kernels software-pipelined (SOFTWARE_PIPELINE)."""
+  exp_under_dp: the backward kernels' EXP_UNDER_DP step order."""
   bias = min(bias, _BIASES - 2)  # bf16 only (see _BIASES)
   op = ta._mosaic_op(
       vjp=dict(block_kv=64, block_q=64, num_stages=stages, dq_block_q=64,
@@ -107,7 +106,6 @@ def test_fuzz_mosaic_attention(t, s, stages, window, h, consumers, bk, dq_consum
   with pytest.MonkeyPatch.context() as mp, ta.pallas_mosaic.interpret_mode():
     mp.setattr(ta.mosaic_attn, "PERSISTENT_CTAS", max(ctas, 1))
     mp.setattr(ta.mosaic_attn, "EXP_UNDER_DP", exp_under_dp)
-    mp.setattr(ta.mosaic_attn, "SOFTWARE_PIPELINE", pipeline)
     _Checker("mosaic", op).check(
         _case(t, s, kh, g, h, hv, causal, window, bias, mask, lens, cap), ta.BF16)
 

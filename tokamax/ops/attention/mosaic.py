@@ -133,23 +133,12 @@ DKDV_PERSISTENT_MIN_BANDED_ROUNDS = 32
 # Backward kernels named here ("dkdv", "dq"): wait for s = q k^T alone, then
 # issue dp = do v^T and compute p's exponentials while it runs (cuDNN's H128
 # bprop does this, H100 SASS 2026-12-05), instead of one wait for both
-# products. Untimed: scripts/gpu_check.sh pending, step 15.
-EXP_UNDER_DP: tuple[str, ...] = ()
-# Backward kernels named here ("dkdv", "dq") software-pipeline their runs of
-# full steps when there are no bias/mask tiles and the ring has >= 2 stages
-# (FA3 Sec. 3.2's intra-warpgroup overlap, applied to the backward; dk/dv
-# only where dv and dk are issued together, FUSE_DKDV_MAX_WIDTH): each step
-# first issues the next step's s = q k^T and dp = do v^T, then computes its
-# own p, ds (from the s, dp carried in) and issues its dv, dk or dq; one
-# wait. ptxas runs work under a product only where a later wgmma consumes it
-# (here p, ds feed dv, dk, dq): with the flag all 32 MUFU.EX2 of a seed-shape
-# dk/dv step sit between the next step's wgmma instructions (SASS, no spills
-# in the step loop), where the shipped step computes them with none of its
-# own products in flight (its tensor pipe was 59 % busy, ncu, H200
-# 2026-12-01). The carried and the next s, dp are 4 f32 blocks per thread:
-# the dq kernel pipelines with two consumers only. Untimed:
-# scripts/gpu_check.sh pending, step 16 (docs/benchmarks.md 2026-12-05 20:20).
-SOFTWARE_PIPELINE: tuple[str, ...] = ()
+# products. H100, 2026-12-05 (20:20), per-kernel A/B, 4 rounds, against the
+# unchanged dq kernel of the same round: dk/dv 4.6-8.6 % faster at the seed
+# shape, 5.6-6.9 % causal, 0.4-4.3 % at B8 T4096 N16 H128 causal and not,
+# 0.6-1.7 % GQA (20 of 20 rounds); the dq kernel 3-12 % slower with it, so
+# dk/dv only (docs/benchmarks.md 2026-12-05 20:20).
+EXP_UNDER_DP: tuple[str, ...] = ("dkdv",)
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
 # other 64-row consumer at 128-key blocks, a key length just past a block
@@ -1029,18 +1018,6 @@ def _product_under(pair, shape, work):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def _pipelined_run(a, c, state, first, step, last):
-  """A run of steps [a, c) as three loops of at most one, c - a - 1 and one
-  trips (a wgmma cannot sit under a runtime condition; SOFTWARE_PIPELINE):
-  first(a, state) issues step a's products and waits for them; step(i,
-  state) issues step i + 1's, then finishes step i under them; last(c - 1,
-  state) finishes the last step."""
-  state = lax.fori_loop(a, jnp.minimum(a + 1, c), first, state)
-  end = jnp.maximum(c - 1, a)
-  state = lax.fori_loop(a, end, step, state)
-  return lax.fori_loop(end, c, last, state)
-
-
 def _accumulate(acc, lhs, rhs, lhs_smem, interpret: bool):
   """acc + lhs @ rhs: lhs 16-bit registers (WGMMA layout), rhs an SMEM ref.
 
@@ -1186,30 +1163,11 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       g_next = jnp.where(more, g, jnp.minimum(g + 1, sp.groups - 1))
       return load_tiles(kh * sp.groups + g_next, jnp.where(more, i + 1, lo))
 
-    def slot_at(g, i):  # the ring slot of head g's query block i
-      step_in_tile = g * per_head + i - lo
-      return slot_of(step_in_tile if k0 is None else k0 + step_in_tile)
-
-    def probabilities(slot, i, mode, st, bias_t, mask_t):  # (p^T f32, tanh)
-      lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
-      band = None
-      if mode == "masked":
-        band = _row_band(sp, i * bq, k0_wg, (bk, bq), q_lim, kv_lim, key_major=True)
-      return _bwd_probabilities(
-          sp, st, lax.broadcast_in_dim(lse2, (bk, bq), [1]), band, bias_t, mask_t)
-
-    def ds_of(slot, pt, tanh, dpt):  # ds^T = p^T (dp^T - D) (f32), times
-      # 1 - tanh^2 under a cap
-      delta = plgpu.load(delta_smem.at[slot], layout=col_layout)
-      dst = pt * (dpt - lax.broadcast_in_dim(delta, (bk, bq), [1]))
-      if tanh is not None:
-        dst = dst * (1.0 - tanh * tanh)
-      return dst
-
     def step(i, carry, g, mode):
       dk, dv, tiles = carry
       tiles = tiles or (None, None)
-      slot = slot_at(g, i)
+      step_in_tile = g * per_head + i - lo
+      slot = slot_of(step_in_tile if k0 is None else k0 + step_in_tile)
       nxt = tiles_after(g, i)
       plgpu.barrier_wait(ready.at[slot])
       if mode != "skip":
@@ -1220,13 +1178,28 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
         prods = _products(pairs[:1] if exp_under_dp else pairs, (bk, bq))
         first_step_done(g, i)
-        probs = lambda: probabilities(slot, i, mode, prods[0], bias_t, mask_t)
+
+        def probabilities():
+          lse2 = plgpu.load(lse_smem.at[slot], layout=col_layout)
+          band = None
+          if mode == "masked":
+            band = _row_band(sp, i * bq, k0_wg, (bk, bq), q_lim, kv_lim, key_major=True)
+          return _bwd_probabilities(
+              sp, prods[0], lax.broadcast_in_dim(lse2, (bk, bq), [1]), band,
+              bias_t, mask_t)
+
         if exp_under_dp:  # p^T's exponentials while dp^T = v do^T runs
-          (pt, tanh), dpt = _product_under(pairs[1], (bk, bq), probs)
+          (pt, tanh), dpt = _product_under(pairs[1], (bk, bq), probabilities)
           prods = (prods[0], dpt)
         else:
-          pt, tanh = probs()
-        ds_t = lambda: ds_of(slot, pt, tanh, prods[1]).astype(dtype)
+          pt, tanh = probabilities()
+
+        def ds_t():  # ds^T = p^T (dp^T - D), times 1 - tanh^2 under a cap
+          delta = plgpu.load(delta_smem.at[slot], layout=col_layout)
+          dst = pt * (prods[1] - lax.broadcast_in_dim(delta, (bk, bq), [1]))
+          if tanh is not None:
+            dst = dst * (1.0 - tanh * tanh)
+          return dst.astype(dtype)
 
         if want_dk and want_dv and not interpret and fuse_dkdv:
           # dv += p^T do runs on the tensor cores while ds^T is computed;
@@ -1247,88 +1220,10 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv, nxt
 
-    # SOFTWARE_PIPELINE: a run of full steps [a, c) of head g
-    # (`_pipelined_run`): each step issues the next step's s, dp, then
-    # computes its own p, ds (from the s, dp carried in) and issues dv, dk.
-    pipelined = ("dkdv" in SOFTWARE_PIPELINE and want_dk and want_dv and fuse_dkdv
-                 and no_tiles and stages >= 2)
-
-    def sdp_operands(slot):
-      # (A closed-over literal index fails run_state's lowering: traced.)
-      buf_t = buf + wg * 0
-      return [(k_smem.at[buf_t, wg], q_smem.at[slot].T),
-              (v_smem.at[buf_t, wg], do_smem.at[slot].T)]
-
-    def dkdv_update(refs, slot, i, st, dpt):
-      """Issues dv += p^T do, then dk += ds^T q for step i (slot) from its
-      s^T, dp^T; ds^T is computed while dv's product runs."""
-      dv_ref, dk_ref = refs
-      pt, tanh = probabilities(slot, i, "full", st, None, None)
-      plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
-      plgpu.wgmma(dk_ref, ds_of(slot, pt, tanh, dpt).astype(dtype), q_smem.at[slot])
-
-    def dkdv_updated(dk, dv, slot, i, st, dpt):  # (dk, dv) after dkdv_update
-      if not interpret:
-        dv, dk = pl.run_state(lambda refs: dkdv_update(refs, slot, i, st, dpt))(
-            (plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-        return dk, dv
-      # No register operands in the interpreter: SMEM tiles, one at a time.
-      pt, tanh = probabilities(slot, i, "full", st, None, None)
-      dv = _accumulate(dv, pt.astype(dtype), do_smem.at[slot], t_tile, interpret)
-      dst = ds_of(slot, pt, tanh, dpt).astype(dtype)
-      return _accumulate(dk, dst, q_smem.at[slot], t_tile, interpret), dv
-
-    def pipe_first(i, carry, g):
-      dk, dv, _, _ = carry
-      slot = slot_at(g, i)
-      plgpu.barrier_wait(ready.at[slot])
-      st, dpt = _products(sdp_operands(slot), (bk, bq))
-      first_step_done(g, i)
-      return dk, dv, st, dpt
-
-    def pipe_step(i, carry, g):
-      dk, dv, st, dpt = carry
-      slot, slot_next = slot_at(g, i), slot_at(g, i + 1)
-      plgpu.barrier_wait(ready.at[slot_next])
-      if interpret:
-        st_next, dpt_next = _products(sdp_operands(slot_next), (bk, bq))
-        dk, dv = dkdv_updated(dk, dv, slot, i, st, dpt)
-      else:
-        def run(refs):
-          dv_ref, dk_ref, s_ref, dp_ref = refs
-          for acc_ref, (a, b) in zip((s_ref, dp_ref), sdp_operands(slot_next)):
-            plgpu.wgmma(acc_ref, a, b)
-          dkdv_update((dv_ref, dk_ref), slot, i, st, dpt)
-
-        zero = plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), plgpu.Layout.WGMMA)
-        dv, dk, st_next, dpt_next = pl.run_state(run)(
-            (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zero),
-             plgpu.ACC.init(zero)))
-      plgpu.barrier_arrive(free.at[slot])
-      return dk, dv, st_next, dpt_next
-
-    def pipe_last(i, carry, g):
-      dk, dv, st, dpt = carry
-      slot = slot_at(g, i)
-      dk, dv = dkdv_updated(dk, dv, slot, i, st, dpt)
-      plgpu.barrier_arrive(free.at[slot])
-      return dk, dv, st, dpt
-
-    def pipelined_run(g, a, c, carry):
-      dk, dv, nxt = carry
-      zero = plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32), plgpu.Layout.WGMMA)
-      dk, dv, _, _ = _pipelined_run(
-          a, c, (dk, dv, zero, zero), *(functools.partial(f, g=g)
-                                        for f in (pipe_first, pipe_step, pipe_last)))
-      return dk, dv, nxt
-
     def head(g, carry):
       for start, stop, mode in segments:
-        if pipelined and mode == "full":
-          carry = pipelined_run(g, start, stop, carry)
-        else:
-          carry = lax.fori_loop(
-              start, stop, functools.partial(step, g=g, mode=mode), carry)
+        carry = lax.fori_loop(
+            start, stop, functools.partial(step, g=g, mode=mode), carry)
       return carry
 
     acc = lambda w: plgpu.layout_cast(jnp.zeros((bk, w), jnp.float32),
@@ -1514,72 +1409,10 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
       plgpu.barrier_arrive(free.at[slot])
       return dq, nxt
 
-    # SOFTWARE_PIPELINE: a run of full steps [a, c) (`_pipelined_run`):
-    # each step issues the next step's s, dp, then computes its own p, ds
-    # (from the s, dp carried in) and issues dq += ds k.
-    # Two consumers only: with three (152 registers) ptxas moves the
-    # exponentials ahead of the next step's wgmmas (SASS, 2026-12-05).
-    pipelined = ("dq" in SOFTWARE_PIPELINE and bias_ref is None and mask_ref is None
-                 and stages >= 2 and nc == 2)
-    k_at = lambda slot: k_smem.at[slot]
-    t_tile = t_smem.at[wg] if interpret else None
-
-    def sdp_next(slot):  # the products of the step in slot, issued or run
-      return [(q_t, k_smem.at[slot].T), (do_t, v_smem.at[slot].T)]
-
-    def ds16(qk, dp):  # ds = p (dp - D), times 1 - tanh^2 under a cap, 16-bit
-      p, tanh = _bwd_probabilities(sp, qk, lse2, None, None, None)
-      ds = p * (dp - delta)
-      if tanh is not None:
-        ds = ds * (1.0 - tanh * tanh)
-      return ds.astype(dtype)
-
-    def pipe_first(j, state):
-      dq, _, _ = state
-      slot = slot_of(j)
-      plgpu.barrier_wait(ready.at[slot])
-      qk, dp = _products(sdp_next(slot), lse2.shape)
-      last_products_done(j)
-      return dq, qk, dp
-
-    def pipe_step(j, state):
-      dq, qk, dp = state
-      slot, slot_next = slot_of(j), slot_of(j + 1)
-      plgpu.barrier_wait(ready.at[slot_next])
-      if interpret:
-        qk_next, dp_next = _products(sdp_next(slot_next), lse2.shape)
-        dq = _accumulate(dq, ds16(qk, dp), k_at(slot), t_tile, interpret)
-      else:
-        def run(refs):
-          dq_ref, s_ref, dp_ref = refs
-          for acc_ref, (a, b) in zip((s_ref, dp_ref), sdp_next(slot_next)):
-            plgpu.wgmma(acc_ref, a, b)
-          plgpu.wgmma(dq_ref, ds16(qk, dp), k_at(slot))
-
-        zero = plgpu.layout_cast(jnp.zeros(lse2.shape, jnp.float32), plgpu.Layout.WGMMA)
-        dq, qk_next, dp_next = pl.run_state(run)(
-            (plgpu.ACC.init(dq), plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
-      last_products_done(j + 1)
-      plgpu.barrier_arrive(free.at[slot])
-      return dq, qk_next, dp_next
-
-    def pipe_last(j, state):
-      dq, qk, dp = state
-      slot = slot_of(j)
-      dq = _accumulate(dq, ds16(qk, dp), k_at(slot), t_tile, interpret)
-      plgpu.barrier_arrive(free.at[slot])
-      return dq, qk, dp
-
     carry = (plgpu.layout_cast(jnp.zeros(q_t.shape, jnp.float32), plgpu.Layout.WGMMA),
              load_tiles(n, lo))
     for start, stop, mode in segments:
-      if pipelined and mode == "full":
-        zero = plgpu.layout_cast(jnp.zeros(lse2.shape, jnp.float32), plgpu.Layout.WGMMA)
-        dq, _, _ = _pipelined_run(start, stop, (carry[0], zero, zero), pipe_first,
-                                  pipe_step, pipe_last)
-        carry = (dq, carry[1])
-      else:
-        carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
+      carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
     if ctas:  # a tile without key blocks: the rows' buffers are not in use
       pl.when(lo >= hi)(lambda: prefetch_rows(i))
     dq, _ = carry
