@@ -9,8 +9,9 @@ rounds (default 6), each on freshly allocated random inputs (a new seed),
 of tokamax.ops.attention.mosaic, or "triton.NAME" of tokamax.ops.attention.
 triton, which then times "triton" instead, or "vjp.FIELD", a field of the
 "mosaic" backward config, set on the shape's heuristic config, which is
-also the shipped one; "vjp.F1+F2" sets several, its VALUES tuples) and VALUES (comma-separated Python literals), the
-implementation is compiled once per value and every round times each (an
+also the shipped one; "vjp.F1+F2" sets several, its VALUES tuples) and
+VALUES (comma-separated Python literals), the implementation is compiled
+once per value and every round times each (an
 A/B per kernel under the same clocks). Environment SET ("NAME=VALUE,...")
 sets constants of the mosaic module for every variant first. PAUSE_S: seconds
 of idle before each timed round (default 0), so that the software power
