@@ -161,6 +161,24 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout ${AB_S:-400} python3 benchmarks/attention_variance.py "$OUT/exp_under_dp" \
          ${ROUNDS:-3} "${SHAPES:-seed,B8 T4096,GQA}" EXP_UNDER_DP "(),('dkdv','dq')" 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
+    # 17 (2026-12-05 23:50): ring depths at the seed shapes now that the
+    # dk/dv kernel computes its exponentials under dp (the shipped configs
+    # were tuned before): per-kernel A/B of (dk/dv stages, dq stages) 2,2
+    # (shipped) against 3,2 and 2,3; 3 dk/dv stages fit without spills
+    # (ptxas, CPU), 128-query dk/dv steps spill 184+ bytes.
+    17) mkdir -p "$OUT/stages"
+       PAUSE_S=1 timeout ${AB_S:-400} python3 benchmarks/attention_variance.py "$OUT/stages" \
+         ${ROUNDS:-3} "${SHAPES:-seed}" "vjp.num_stages+dq_num_stages" "(2,2),(3,2),(2,3)" 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
+    # 18 (2026-12-06 00:15): the dk/dv kernel's K and V as register operands
+    # (DKDV_KV_REGS_MAX_WIDTH 128 against 0): its GPU tests, then the
+    # per-kernel A/B at the seed shapes.
+    18) JOBS=${JOBS:-4} pt ${TEST_S:-150} tests/test_attention.py -k "kv_regs" \
+         | tee "$OUT/pending_18_tests.log"
+       mkdir -p "$OUT/kv_regs"
+       PAUSE_S=1 timeout ${AB_S:-300} python3 benchmarks/attention_variance.py "$OUT/kv_regs" \
+         ${ROUNDS:-3} "${SHAPES:-seed}" DKDV_KV_REGS_MAX_WIDTH "0,128" 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -30 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

@@ -983,6 +983,21 @@ def test_mosaic_exp_under_dp_lowers_for_cuda(monkeypatch, causal, h, orders):
     text = _lower_text(jax.grad(loss), q)
   assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_dkdv_kv_regs_lowers_for_cuda(monkeypatch, causal, persistent):
+  """The dk/dv kernel with K and V as register operands (DKDV_KV_REGS_MAX_WIDTH)
+  lowers for an H200 at head dim 64."""
+  monkeypatch.setattr(mosaic_attn, "DKDV_KV_REGS_MAX_WIDTH", 128)
+  q = jax.ShapeDtypeStruct((4, 2048, 8, 64), BF16)
+  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
+                  vjp=dict(dkdv_persistent=persistent))
+  loss = lambda q: jnp.sum(op(q, q, q, is_causal=causal).astype(F32))
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(jax.grad(loss), q)
+  assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_three_consumers_lower_for_cuda(causal):
   """The token-ring forward (4 warpgroups) lowers at the seed shape."""
@@ -1255,6 +1270,24 @@ class TestMosaicGpu(AttentionTestBase):
                 kwargs=(("is_causal", causal),))
     if feature == "gqa_bias":
       case = dataclasses.replace(case, t=1000, s=1100, bias=("full",))
+    self.check(case, BF16)
+
+  @pytest.mark.parametrize("persistent", [False, True])
+  @pytest.mark.parametrize("feature", ["plain", "causal", "gqa_bias", "window_mask"])
+  def test_dkdv_kv_regs_real_size(self, monkeypatch, feature, persistent):
+    """The dk/dv kernel with K and V as register operands of s^T and dp^T
+    (DKDV_KV_REGS_MAX_WIDTH) on the GPU at head dim 64."""
+    monkeypatch.setattr(mosaic_attn, "DKDV_KV_REGS_MAX_WIDTH", 128)
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
+                         vjp=dict(dkdv_persistent=persistent))
+    causal = feature == "causal"
+    case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=64, q_lens=not causal,
+                kv_lens=not causal, kwargs=(("is_causal", causal),))
+    if feature == "gqa_bias":
+      case = dataclasses.replace(case, t=1000, s=1100, kh=2, bias=("full",))
+    if feature == "window_mask":
+      case = dataclasses.replace(case, t=1100, s=1000, mask=("full",),
+                                 kwargs=(("local_window_size", (300, 20)),))
     self.check(case, BF16)
 
   @pytest.mark.parametrize("config", sorted(

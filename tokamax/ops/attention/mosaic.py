@@ -139,6 +139,14 @@ DKDV_PERSISTENT_MIN_BANDED_ROUNDS = 32
 # 0.6-1.7 % GQA (20 of 20 rounds); the dq kernel 3-12 % slower with it, so
 # dk/dv only (docs/benchmarks.md 2026-12-05 20:20).
 EXP_UNDER_DP: tuple[str, ...] = ("dkdv",)
+# dk/dv kernel, H + Hv (padded) at most this: each consumer loads its keys
+# and values into registers once per key tile (16-bit, 32 registers per
+# thread at head dim 64) and issues s^T = k q^T and dp^T = v do^T with them
+# as the register operand, so a step's four products read 3 tiles from
+# shared memory instead of 5 (the seed-shape step needs ~110 of the SM's
+# 128 bytes per clock of shared memory at the tensor cores' peak otherwise).
+# GPU path only (the interpreter takes no register operand).
+DKDV_KV_REGS_MAX_WIDTH = 0
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
 # other 64-row consumer at 128-key blocks, a key length just past a block
@@ -1097,6 +1105,8 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
    ready, free) = it
   dtype = q_ref.dtype
   fuse_dkdv = k_smem.shape[-1] + v_smem.shape[-1] <= FUSE_DKDV_MAX_WIDTH
+  kv_regs = (not interpret
+             and k_smem.shape[-1] + v_smem.shape[-1] <= DKDV_KV_REGS_MAX_WIDTH)
   bsz, tk, kv_heads, _ = k_ref.shape
   wg = lax.axis_index("wg")
   key_cta = functools.partial(_key_cta, sp, k_ref, q_len_ref, kv_len_ref, bk, bq)
@@ -1133,6 +1143,11 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
       load_kv(ti, buf)
     plgpu.barrier_wait(kv_ready_of(buf))
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
+    k_op, v_op = k_tile, v_tile  # the A operands of s^T and dp^T
+    if kv_regs:
+      k_op = plgpu.load(k_tile, layout=plgpu.Layout.WGMMA)
+      if want_dk:
+        v_op = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
 
     def prefetch_kv():  # tile ti + 1's K/V into the other buffer, once the
       # stores of tile ti - 1's dk/dv have read it
@@ -1175,7 +1190,7 @@ def _dkdv_kernel(*refs, sp, bk: int, bq: int, stages: int, want_dk: bool,
         bias_t, mask_t = tiles
         # Key-major blocks [bk, bq]: s^T = k q^T, dp^T = v do^T.
         exp_under_dp = "dkdv" in EXP_UNDER_DP and want_dk
-        pairs = [(k_tile, q_t.T)] + ([(v_tile, do_t.T)] if want_dk else [])
+        pairs = [(k_op, q_t.T)] + ([(v_op, do_t.T)] if want_dk else [])
         prods = _products(pairs[:1] if exp_under_dp else pairs, (bk, bq))
         first_step_done(g, i)
 
