@@ -170,15 +170,18 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout ${AB_S:-400} python3 benchmarks/attention_variance.py "$OUT/stages" \
          ${ROUNDS:-3} "${SHAPES:-seed}" "vjp.num_stages+dq_num_stages" "(2,2),(3,2),(2,3)" 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
-    # 18 (2026-12-06 00:15): the dk/dv kernel's K and V as register operands
-    # (DKDV_KV_REGS_MAX_WIDTH 128 against 0): its GPU tests, then the
-    # per-kernel A/B at the seed shapes.
-    18) JOBS=${JOBS:-4} pt ${TEST_S:-150} tests/test_attention.py -k "kv_regs" \
+    # 18 (2026-12-06 00:15): register operands instead of shared memory,
+    # the dk/dv kernel's K and V (DKDV_KV_REGS_MAX_WIDTH 128 against 0) and
+    # the forward's Q (FWD_Q_REGS): their GPU tests, then per-kernel A/Bs at
+    # the seed shapes.
+    18) JOBS=${JOBS:-4} pt ${TEST_S:-150} tests/test_attention.py -k "kv_regs or q_regs" \
          | tee "$OUT/pending_18_tests.log"
-       mkdir -p "$OUT/kv_regs"
-       PAUSE_S=1 timeout ${AB_S:-300} python3 benchmarks/attention_variance.py "$OUT/kv_regs" \
-         ${ROUNDS:-3} "${SHAPES:-seed}" DKDV_KV_REGS_MAX_WIDTH "0,128" 2>&1 \
-         | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -30 ;;
+       for ab in "DKDV_KV_REGS_MAX_WIDTH 0,128" "FWD_Q_REGS False,True"; do
+         read -r flag values <<< "$ab"; mkdir -p "$OUT/$flag"
+         PAUSE_S=1 timeout ${AB_S:-150} python3 benchmarks/attention_variance.py "$OUT/$flag" \
+           ${ROUNDS:-3} "${SHAPES:-seed}" "$flag" "$values" 2>&1 \
+           | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -14
+       done ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

@@ -998,6 +998,20 @@ def test_mosaic_dkdv_kv_regs_lowers_for_cuda(monkeypatch, causal, persistent):
   assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
 
 
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_fwd_q_regs_lowers_for_cuda(monkeypatch, causal, consumers):
+  """The forward with Q as the register operand of q k^T (FWD_Q_REGS) lowers
+  for an H200."""
+  monkeypatch.setattr(mosaic_attn, "FWD_Q_REGS", True)
+  q = jax.ShapeDtypeStruct((4, 2048, 8, 64), BF16)
+  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
+                  persistent=True)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(lambda q: op(q, q, q, is_causal=causal), q)
+  assert text.count(MOSAIC_TARGET) == 1
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_three_consumers_lower_for_cuda(causal):
   """The token-ring forward (4 warpgroups) lowers at the seed shape."""
@@ -1280,6 +1294,26 @@ class TestMosaicGpu(AttentionTestBase):
     monkeypatch.setattr(mosaic_attn, "DKDV_KV_REGS_MAX_WIDTH", 128)
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          vjp=dict(dkdv_persistent=persistent))
+    causal = feature == "causal"
+    case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=64, q_lens=not causal,
+                kv_lens=not causal, kwargs=(("is_causal", causal),))
+    if feature == "gqa_bias":
+      case = dataclasses.replace(case, t=1000, s=1100, kh=2, bias=("full",))
+    if feature == "window_mask":
+      case = dataclasses.replace(case, t=1100, s=1000, mask=("full",),
+                                 kwargs=(("local_window_size", (300, 20)),))
+    self.check(case, BF16)
+
+  @pytest.mark.parametrize("consumers", [2, 3])
+  @pytest.mark.parametrize("feature", ["plain", "causal", "gqa_bias", "window_mask"])
+  def test_fwd_q_regs_real_size(self, monkeypatch, feature, consumers):
+    """The forward with Q as the register operand of q k^T (FWD_Q_REGS) on
+    the GPU at head dim 64, persistent."""
+    monkeypatch.setattr(mosaic_attn, "FWD_Q_REGS", True)
+    if feature in ("gqa_bias", "window_mask"):
+      consumers = 2  # three consumers take no bias/mask tiles
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
+                         consumers=consumers, persistent=True)
     causal = feature == "causal"
     case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=64, q_lens=not causal,
                 kv_lens=not causal, kwargs=(("is_causal", causal),))

@@ -147,6 +147,11 @@ EXP_UNDER_DP: tuple[str, ...] = ("dkdv",)
 # 128 bytes per clock of shared memory at the tensor cores' peak otherwise).
 # GPU path only (the interpreter takes no register operand).
 DKDV_KV_REGS_MAX_WIDTH = 0
+# Forward: each consumer loads its Q tile into registers once per query tile
+# and issues s = q k^T with it as the register operand (K alone read from
+# shared memory). ptxas, seed shape, three consumers: no spills non-causal,
+# 56 bytes causal (16 without). GPU path only.
+FWD_Q_REGS = False
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
 # other 64-row consumer at 128-key blocks, a key length just past a block
@@ -660,6 +665,9 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       load_q(b, n, r0)
     with jax.named_scope("q_wait"):  # named regions: trace_kernels() traces
       plgpu.barrier_wait(q_ready.at[wg])
+    q_op = q_tile
+    if FWD_Q_REGS and not interpret:
+      q_op = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA)
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)
@@ -719,7 +727,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
 
       def qk_product(acc_ref):
         with jax.named_scope("qk_issue"):
-          plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+          plgpu.wgmma(acc_ref, q_op, k_tile.T)
           # The next step's bias/mask tiles load meanwhile.
           nxt = load_tiles(n, j, 1)
         with jax.named_scope("rendezvous_qk"):
