@@ -970,6 +970,21 @@ def test_mosaic_lowers_for_cuda(name):
 
 
 
+def _h64_feature_case(feature: str) -> Case:
+  """A real-size head-dim-64 case: "plain" (with lengths), "causal",
+  "gqa_bias" (T != S, 4 query heads per kv head, full bias) or
+  "window_mask" (T > S, two-sided window, full mask)."""
+  causal = feature == "causal"
+  case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=64, q_lens=not causal,
+              kv_lens=not causal, kwargs=(("is_causal", causal),))
+  if feature == "gqa_bias":
+    case = dataclasses.replace(case, t=1000, s=1100, kh=2, bias=("full",))
+  if feature == "window_mask":
+    case = dataclasses.replace(case, t=1100, s=1000, mask=("full",),
+                               kwargs=(("local_window_size", (300, 20)),))
+  return case
+
+
 @pytest.mark.parametrize("orders", [(), ("dkdv", "dq")])
 @pytest.mark.parametrize("h", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
@@ -1294,15 +1309,7 @@ class TestMosaicGpu(AttentionTestBase):
     monkeypatch.setattr(mosaic_attn, "DKDV_KV_REGS_MAX_WIDTH", 128)
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          vjp=dict(dkdv_persistent=persistent))
-    causal = feature == "causal"
-    case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=64, q_lens=not causal,
-                kv_lens=not causal, kwargs=(("is_causal", causal),))
-    if feature == "gqa_bias":
-      case = dataclasses.replace(case, t=1000, s=1100, kh=2, bias=("full",))
-    if feature == "window_mask":
-      case = dataclasses.replace(case, t=1100, s=1000, mask=("full",),
-                                 kwargs=(("local_window_size", (300, 20)),))
-    self.check(case, BF16)
+    self.check(_h64_feature_case(feature), BF16)
 
   @pytest.mark.parametrize("consumers", [2, 3])
   @pytest.mark.parametrize("feature", ["plain", "causal", "gqa_bias", "window_mask"])
@@ -1314,15 +1321,7 @@ class TestMosaicGpu(AttentionTestBase):
       consumers = 2  # three consumers take no bias/mask tiles
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          consumers=consumers, persistent=True)
-    causal = feature == "causal"
-    case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=64, q_lens=not causal,
-                kv_lens=not causal, kwargs=(("is_causal", causal),))
-    if feature == "gqa_bias":
-      case = dataclasses.replace(case, t=1000, s=1100, kh=2, bias=("full",))
-    if feature == "window_mask":
-      case = dataclasses.replace(case, t=1100, s=1000, mask=("full",),
-                                 kwargs=(("local_window_size", (300, 20)),))
-    self.check(case, BF16)
+    self.check(_h64_feature_case(feature), BF16)
 
   @pytest.mark.parametrize("config", sorted(
       mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))
