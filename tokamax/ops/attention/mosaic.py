@@ -1011,8 +1011,9 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
 
 
 def _products(pairs, shape):
-  """[a @ b for (a, b) in pairs] (SMEM refs) in fresh f32 accumulators, all
-  issued before the first is read (one wait)."""
+  """[a @ b for (a, b) in pairs] (b an SMEM ref, a one or 16-bit WGMMA-layout
+  registers) in fresh f32 accumulators, all issued before the first is read
+  (one wait)."""
 
   def run(*acc_refs):
     for acc_ref, (a, b) in zip(acc_refs, pairs):
@@ -1023,7 +1024,7 @@ def _products(pairs, shape):
 
 
 def _product_under(pair, shape, work):
-  """(work(), a @ b) for pair = (a, b) (SMEM refs): work runs while the
+  """(work(), a @ b) for pair = (a, b) (as in `_products`): work runs while the
   product does, in a fresh f32 accumulator read after it (EXP_UNDER_DP)."""
 
   def run(acc_ref):
