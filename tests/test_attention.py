@@ -881,6 +881,16 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
                BF16, feature)
 
+  @pytest.mark.parametrize("feature, consumers", [
+      ("causal", 2), ("causal", 3), ("t_ne_s_causal", 3), ("kv_lens", 2)])
+  def test_max_free_half_steps(self, monkeypatch, feature, consumers):
+    """Max-free 128-key steps: masked and half steps after the first seen
+    block are max-free too (the causal diagonal)."""
+    monkeypatch.setattr(mosaic_attn, "MAX_FREE_MAX_WIDTH", 256)
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers)
+    t, s = (320, 330) if feature != "t_ne_s_causal" else (200, 330)
+    self.check(dataclasses.replace(FEATURES[feature], t=t, s=s), BF16, feature)
+
   def test_max_free_steps_row_max_jumping(self, monkeypatch):
     """Max-free steps where row maxima grow by more than 2^8 between key
     blocks for some warpgroups (redone) and not for others (kept)."""

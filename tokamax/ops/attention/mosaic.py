@@ -460,13 +460,19 @@ def _split_last_half(sp, segments, r0, bq: int, bk: int, q_lim, kv_lim):
   return (*head, (c_w, split, masked), (split, hi_w, "half"), tail)
 
 
-def _split_first_full(segments):
-  """`_clamp_ranges` segments (forward) with the "full" blocks after the
-  WG's first seen block as a "max_free" segment (`_max_free_probs`)."""
-  skip, (lo_w, a_w, masked), (_, c_w, full), *tail = segments
-  first = jnp.minimum(jnp.maximum(a_w, lo_w + 1), c_w)
-  return (skip, (lo_w, a_w, masked), (a_w, first, full), (first, c_w, "max_free"),
-          *tail)
+def _max_free_after_first(segments):
+  """Forward segments (start, stop, mode) as (start, stop, mode, max_free):
+  the blocks of each seen segment after the WG's first seen block are
+  max-free (`_max_free_probs`)."""
+  first = segments[1][0] + 1  # the leading masked segment starts at lo_w
+  out = []
+  for start, stop, mode in segments:
+    if mode == "skip":
+      out.append((start, stop, mode, False))
+      continue
+    split = jnp.minimum(jnp.maximum(start, first), stop)
+    out += [(start, split, mode, False), (split, stop, mode, True)]
+  return tuple(out)
 
 
 def _ts_operand(x, t: int, s: int, rows: int, cols: int, transpose=False):
@@ -751,8 +757,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     # (P V's contraction must stay a multiple of 64: bk >= 128.)
     if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
       segments = _split_last_half(sp, segments, r0, bq, bk, q_lim, kv_lim)
-    if hvp <= MAX_FREE_MAX_WIDTH:
-      segments = _split_first_full(segments)
+    segments = (_max_free_after_first(segments) if hvp <= MAX_FREE_MAX_WIDTH
+                else tuple((*seg, False) for seg in segments))
     q_tile = q_smem.at[wg]
     if not ctas:
       load_q(b, n, r0)
@@ -810,7 +816,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
                               pl.cdiv(sp.s, bk) - 1, (bq, bk))
 
-    def step(j, carry, mode):
+    def step(j, carry, mode, max_free):
       m, l, acc, tiles = carry
       slot = slot_of(j)
       if mode == "skip":  # a block only the other consumer sees
@@ -844,10 +850,10 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       last_qk_done(j)
       bias, mask = tiles
       with jax.named_scope("softmax"):
-        if mode != "max_free":  # (there K stays until p is kept)
+        if not max_free:  # (else K stays until p is kept)
           plgpu.barrier_arrive(k_free.at[slot])
-        z = logits(qk, j, mode not in ("full", "max_free"), bias, mask)
-        if mode == "max_free":  # this step's row sums already in l
+        z = logits(qk, j, mode != "full", bias, mask)
+        if max_free:  # this step's row sums already in l
           p16, sums, redo = _max_free_probs(z, m, raw, dtype, interpret)
 
           def again():  # q k^T once more, then the usual step
@@ -855,7 +861,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
               plgpu.wgmma(acc_ref, q_op, k_tile.T)
               return acc_ref[...]
             z = logits(pl.run_scoped(product, plgpu.ACC((bq, width), jnp.float32)),
-                       j, False, bias, mask)
+                       j, mode != "full", bias, mask)
             p, m_new, l_new, acc_new = plain_softmax(z, m, l, acc)
             return p.astype(dtype), m_new, l_new + p.sum(axis=1), acc_new
 
@@ -871,7 +877,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       # Instruction order matters for overlap (the ordering of JAX's FA3
       # example): with small accumulators finish the softmax before
       # releasing the tensor cores, with large ones after.
-      row_sums = mode != "max_free"  # to add to l
+      row_sums = not max_free  # to add to l
       sum_under_pv = row_sums and SUM_UNDER_PV and hvp >= 128 and not interpret
       if hvp <= 128:
         with jax.named_scope("softmax"):
@@ -923,8 +929,9 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     else:  # WG 0 starts with the token; each WG's first turn issues Q K_0^T
       pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
       plgpu.barrier_wait(sched.at[wg])
-    for start, stop, mode in segments:
-      carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
+    for start, stop, mode, max_free in segments:
+      carry = lax.fori_loop(start, stop, functools.partial(
+          step, mode=mode, max_free=max_free), carry)
     if nc == 2:
       pl.when(wg == 0)(schedule)
     else:  # pass the last turn on; WG 0 takes the token's final phase
