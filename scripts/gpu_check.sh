@@ -170,7 +170,8 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout ${AB_S:-400} python3 benchmarks/attention_variance.py "$OUT/stages" \
          ${ROUNDS:-3} "${SHAPES:-seed}" "vjp.num_stages+dq_num_stages" "(2,2),(3,2),(2,3)" 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
-    # 18 (2026-12-06 00:15): register operands instead of shared memory,
+    # 18 (2026-12-06 00:15; ran on an H100 on 2026-12-06 04:14, K/V
+    # registers shipped, Q registers not): register operands instead of shared memory,
     # the dk/dv kernel's K and V (DKDV_KV_REGS_MAX_WIDTH 128 against 0) and
     # the forward's Q (FWD_Q_REGS): their GPU tests, then per-kernel A/Bs at
     # the seed shapes.
@@ -182,16 +183,8 @@ if [[ $what == pending ]]; then
            ${ROUNDS:-3} "${SHAPES:-seed}" "$flag" "$values" 2>&1 \
            | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -14
        done ;;
-    # 19 (2026-12-06 03:00): max-free forward steps (MAX_FREE_MAX_WIDTH):
-    # their GPU tests, then a per-kernel A/B (0 against 256) at the seed,
-    # H128 and GQA shapes.
-    19) JOBS=${JOBS:-4} pt ${TEST_S:-150} tests/test_attention.py -k "max_free" \
-         | tee "$OUT/pending_19_tests.log"
-       mkdir -p "$OUT/MAX_FREE_MAX_WIDTH"
-       PAUSE_S=1 timeout ${AB_S:-300} python3 benchmarks/attention_variance.py \
-         "$OUT/MAX_FREE_MAX_WIDTH" ${ROUNDS:-3} "${SHAPES:-seed,B8,GQA}" \
-         MAX_FREE_MAX_WIDTH 0,256 2>&1 | grep -v "cuda_timer\|Delay kernel" \
-         | grep -v "^{" | tail -24 ;;
+    # 19 ran on an H100 on 2026-12-06 (04:08): max-free forward steps
+    # (commits 22e0134, 66e03b2), not faster, removed (docs/benchmarks.md).
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

@@ -718,34 +718,6 @@ class _MosaicInterpretMixin:
       yield
 
 
-def _check_logit_jumps(attention, *, t: int, s: int, h: int, first_block: int,
-                       seed: int, batch: int = 1, n: int = 2):
-  """Forward and gradient (bf16, against f64) where a stale running max would
-  overflow exp2: keys past `first_block` are 100x larger (logits ~100x
-  further apart), and the first t // 2 rows see none of the first block's
-  keys (bool mask), so their max is still at its start value there."""
-  kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
-  grow = jnp.where(jnp.arange(s) < first_block, 1.0, 100.0)
-  args = dict(
-      query=jax.random.normal(kq, (batch, t, n, h), F32).astype(BF16),
-      key=(jax.random.normal(kk, (batch, s, n, h), F32)
-           * grow[:, None, None]).astype(BF16),
-      value=jax.random.normal(kv, (batch, s, n, h), F32).astype(BF16),
-  )
-  hidden = (jnp.arange(t)[:, None] < t // 2) & (jnp.arange(s)[None, :] < first_block)
-  mask = jnp.broadcast_to(~hidden, (batch, n, t, s))
-  fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(BF16)]
-  out = jax.jit(lambda d: attention(**d, mask=mask))(args)
-  reference.assert_close(out, reference.attention(**args, mask=mask), fwd_tol, "forward")
-  ct = jax.random.normal(kc, out.shape, F32)
-  grads = jax.jit(jax.grad(
-      lambda d: jnp.sum(attention(**d, mask=mask).astype(F32) * ct)))(args)
-  ref_grads = jax.grad(lambda d: jnp.sum(reference.attention(**d, mask=mask) * ct))(
-      {k: reference.f64(a) for k, a in args.items()})
-  for name in args:
-    reference.assert_close(grads[name], ref_grads[name], grad_tol, f"d{name}")
-
-
 class TestMosaicInterpret(_MosaicInterpretMixin, AttentionTestBase):
   """The whole base with the Mosaic forward in the GPU interpreter (CPU)."""
 
@@ -867,43 +839,6 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     c = FEATURES[feature]
     self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
                BF16, feature)
-
-  @pytest.mark.parametrize("feature", [
-      "plain", "causal", "window_left_right", "combined", "soft_cap", "bias_full",
-      "mask", "q_lens", "t_ne_s_causal"])
-  def test_max_free_steps(self, monkeypatch, feature):
-    """Key blocks after a query tile's first without the row max
-    (MAX_FREE_MAX_WIDTH): p against the running max as it stands, the step
-    redone (q k^T reissued) where a row sum passes 2^_SUM_TAU or is not
-    finite (rows that saw no key yet: windows, masks, -inf bias)."""
-    monkeypatch.setattr(mosaic_attn, "MAX_FREE_MAX_WIDTH", 256)
-    c = FEATURES[feature]
-    self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
-               BF16, feature)
-
-  @pytest.mark.parametrize("feature, consumers", [
-      ("causal", 2), ("causal", 3), ("t_ne_s_causal", 3), ("kv_lens", 2)])
-  def test_max_free_half_steps(self, monkeypatch, feature, consumers):
-    """Max-free 128-key steps: masked and half steps after the first seen
-    block are max-free too (the causal diagonal)."""
-    monkeypatch.setattr(mosaic_attn, "MAX_FREE_MAX_WIDTH", 256)
-    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers)
-    t, s = (320, 330) if feature != "t_ne_s_causal" else (200, 330)
-    self.check(dataclasses.replace(FEATURES[feature], t=t, s=s), BF16, feature)
-
-  def test_max_free_steps_row_max_jumping(self, monkeypatch):
-    """Max-free steps where row maxima grow by more than 2^8 between key
-    blocks for some warpgroups (redone) and not for others (kept)."""
-    monkeypatch.setattr(mosaic_attn, "MAX_FREE_MAX_WIDTH", 256)
-    self.test_row_max_jumping_along_keys()
-
-  def test_max_free_steps_redone(self, monkeypatch):
-    """Max-free steps that must be redone: exponentials against the
-    standing max would overflow (keys after the first block 100x larger,
-    and rows whose first block is masked out still at the start value)."""
-    monkeypatch.setattr(mosaic_attn, "MAX_FREE_MAX_WIDTH", 256)
-    _check_logit_jumps(self.attention, t=300, s=260, h=64, first_block=64,
-                       seed=self.seed)
 
   @pytest.mark.parametrize("feature", ["causal", "kv_lens", "combined"])
   def test_192_key_steps(self, feature):
@@ -1063,12 +998,14 @@ def test_mosaic_exp_under_dp_lowers_for_cuda(monkeypatch, causal, h, orders):
     text = _lower_text(jax.grad(loss), q)
   assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
 
+@pytest.mark.parametrize("width", [0, 128])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mosaic_dkdv_kv_regs_lowers_for_cuda(monkeypatch, causal, persistent):
-  """The dk/dv kernel with K and V as register operands (DKDV_KV_REGS_MAX_WIDTH)
-  lowers for an H200 at head dim 64."""
-  monkeypatch.setattr(mosaic_attn, "DKDV_KV_REGS_MAX_WIDTH", 128)
+def test_mosaic_dkdv_kv_regs_lowers_for_cuda(monkeypatch, causal, persistent, width):
+  """The dk/dv kernel with K and V as register operands (DKDV_KV_REGS_MAX_WIDTH
+  128, the default) and from shared memory (0) lowers for an H200 at head
+  dim 64."""
+  monkeypatch.setattr(mosaic_attn, "DKDV_KV_REGS_MAX_WIDTH", width)
   q = jax.ShapeDtypeStruct((4, 2048, 8, 64), BF16)
   op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                   vjp=dict(dkdv_persistent=persistent))
@@ -1085,20 +1022,6 @@ def test_mosaic_fwd_q_regs_lowers_for_cuda(monkeypatch, causal, consumers):
   for an H200."""
   monkeypatch.setattr(mosaic_attn, "FWD_Q_REGS", True)
   q = jax.ShapeDtypeStruct((4, 2048, 8, 64), BF16)
-  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
-                  persistent=True)
-  with tokamax.config.cross_compile("NVIDIA H200"):
-    text = _lower_text(lambda q: op(q, q, q, is_causal=causal), q)
-  assert text.count(MOSAIC_TARGET) == 1
-
-
-@pytest.mark.parametrize("h, consumers", [(64, 2), (64, 3), (128, 2)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_mosaic_max_free_steps_lower_for_cuda(monkeypatch, causal, h, consumers):
-  """The forward with max-free steps (MAX_FREE_MAX_WIDTH: the warpgroup vote
-  in PTX, the redo's q k^T) lowers for an H200, persistent."""
-  monkeypatch.setattr(mosaic_attn, "MAX_FREE_MAX_WIDTH", 256)
-  q = jax.ShapeDtypeStruct((4, 2048, 8, h), BF16)
   op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
                   persistent=True)
   with tokamax.config.cross_compile("NVIDIA H200"):
@@ -1401,27 +1324,6 @@ class TestMosaicGpu(AttentionTestBase):
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          consumers=consumers, persistent=True)
     self.check(_h64_feature_case(feature), BF16)
-
-  @pytest.mark.parametrize("h", [64, 128])
-  @pytest.mark.parametrize("consumers", [2, 3])
-  @pytest.mark.parametrize("feature", ["plain", "causal", "gqa_bias", "window_mask"])
-  def test_max_free_steps_real_size(self, monkeypatch, feature, consumers, h):
-    """Max-free forward steps (MAX_FREE_MAX_WIDTH) on the GPU, persistent:
-    the warpgroup vote, the redo with q k^T reissued, K released after it."""
-    monkeypatch.setattr(mosaic_attn, "MAX_FREE_MAX_WIDTH", 256)
-    if feature in ("gqa_bias", "window_mask"):
-      consumers = 2  # three consumers take no bias/mask tiles
-    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
-                         consumers=consumers, persistent=True)
-    self.check(dataclasses.replace(_h64_feature_case(feature), h=h), BF16)
-
-  @pytest.mark.parametrize("h", [64, 128])
-  def test_max_free_steps_redone_real_size(self, monkeypatch, h):
-    """Max-free steps that must be redone (`_check_logit_jumps`) on the GPU."""
-    monkeypatch.setattr(mosaic_attn, "MAX_FREE_MAX_WIDTH", 256)
-    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, persistent=True)
-    _check_logit_jumps(self.attention, t=2048, s=2048, h=h, first_block=128,
-                       seed=self.seed, batch=2, n=4)
 
   @pytest.mark.parametrize("config", sorted(
       mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))

@@ -100,15 +100,6 @@ SUM_UNDER_PV = True
 # (benchmarks/attention_accuracy.py, H200 2026-12-03).
 LAZY_RESCALE = True
 _RESCALE_TAU = 8.0
-# Forward, head dims (value, padded) up to this: every key block of a query
-# tile after its first skips the row-max reduction (`_max_free_probs`): p
-# against the running max as it stands, kept while its row sums stay at most
-# 2^_SUM_TAU; else the warpgroup reissues q k^T and redoes the step the usual
-# way. At head dim 64 a step's row max is 70 of its 432 instructions per
-# thread and the O rescale 34 more (SASS, docs/benchmarks.md 2026-12-05
-# 06:17). 0 = off.
-MAX_FREE_MAX_WIDTH = 0
-_SUM_TAU = 8.0
 # Registers per thread (64 Ki per SM shared by 128-thread WGs, so the
 # warpgroups' counts sum to <= 512, multiples of 8): the producer only issues
 # TMA; the consumers split the rest (S, P, the O or dk/dv accumulators).
@@ -154,12 +145,19 @@ EXP_UNDER_DP: tuple[str, ...] = ("dkdv",)
 # as the register operand, so a step's four products read 3 tiles from
 # shared memory instead of 5 (the seed-shape step needs ~110 of the SM's
 # 128 bytes per clock of shared memory at the tensor cores' peak otherwise).
-# GPU path only (the interpreter takes no register operand).
-DKDV_KV_REGS_MAX_WIDTH = 0
+# GPU path only (the interpreter takes no register operand). H100,
+# 2026-12-06, per-kernel A/B (7 rounds per shape): the dk/dv kernel 4.5 %
+# faster at the seed shape causal (every round), 0.7-2.6 % (medians) non-
+# causal, where the 2 rounds that were not faster also had the unchanged
+# forward kernel 4-7 % slower (docs/benchmarks.md 2026-12-06). Not timed on
+# an H200. 0 turns it off.
+DKDV_KV_REGS_MAX_WIDTH = 128
 # Forward: each consumer loads its Q tile into registers once per query tile
 # and issues s = q k^T with it as the register operand (K alone read from
 # shared memory). ptxas, seed shape, three consumers: no spills non-causal,
-# 56 bytes causal (16 without). GPU path only.
+# 56 bytes causal (16 without). GPU path only. H100, 2026-12-06: forward
+# kernel 1.6-2.4 % slower causal (every round), -7.3 to +3.9 % non-causal,
+# so off (docs/benchmarks.md 2026-12-06).
 FWD_Q_REGS = False
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
@@ -460,21 +458,6 @@ def _split_last_half(sp, segments, r0, bq: int, bk: int, q_lim, kv_lim):
   return (*head, (c_w, split, masked), (split, hi_w, "half"), tail)
 
 
-def _max_free_after_first(segments):
-  """Forward segments (start, stop, mode) as (start, stop, mode, max_free):
-  the blocks of each seen segment after the WG's first seen block are
-  max-free (`_max_free_probs`)."""
-  first = segments[1][0] + 1  # the leading masked segment starts at lo_w
-  out = []
-  for start, stop, mode in segments:
-    if mode == "skip":
-      out.append((start, stop, mode, False))
-      continue
-    split = jnp.minimum(jnp.maximum(start, first), stop)
-    out += [(start, split, mode, False), (split, stop, mode, True)]
-  return tuple(out)
-
-
 def _ts_operand(x, t: int, s: int, rows: int, cols: int, transpose=False):
   """A bias or mask [b, n, t|1, s|1] as the kernels read it: broadcast to
   [b, n, t, s], zero-padded to at least [rows, cols] (the tiles are read
@@ -557,51 +540,6 @@ def _visible(band, mask):
 # --- the kernel ------------------------------------------------------------------
 
 
-def _thread_any(pred) -> ir.Value:
-  """i1: whether `pred` (a bool FragmentedArray) holds for any element this
-  thread has."""
-  flag = None
-  for reg in pred.registers.flat:
-    for i in range(ir.VectorType(reg.type).shape[0]):
-      e = vector.extract(reg, dynamic_position=[], static_position=[i])
-      flag = e if flag is None else arith.ori(flag, e)
-  return flag
-
-
-def _warp_any(pred) -> ir.Value:
-  """True in every lane of a warp if `pred` (a bool FragmentedArray) holds
-  for any element any lane of the warp has (`vote.sync.any`)."""
-  return nvvm.vote_sync(mgpu.utils.c(0xFFFFFFFF, ir.IntegerType.get_signless(32)),
-                        _thread_any(pred), "any")
-
-
-def _warp_if(flag, redo, keep):
-  """`redo()` where the warp-uniform `flag` holds, else `keep` (tuples of
-  FragmentedArrays of the same shapes, dtypes and layouts): an `scf.if`, so
-  a warp runs only the branch it takes."""
-  regs = [r for x in keep for r in x.registers.flat]
-  branch = scf.IfOp(flag, [r.type for r in regs], has_else=True)
-  with ir.InsertionPoint(branch.then_block):
-    scf.yield_([r for x in redo() for r in x.registers.flat])
-  with ir.InsertionPoint(branch.else_block):
-    scf.yield_(regs)
-  results, out = list(branch.results), []
-  for x in keep:
-    n = x.registers.size
-    out.append(mgpu.FragmentedArray(
-        _registers=np.array(results[:n], dtype=object).reshape(x.registers.shape),
-        _layout=x.layout, _is_signed=x.is_signed))
-    results = results[n:]
-  return tuple(out)
-
-
-def _scaled_exp2(z, raw, ref):
-  """exp2(c z - ref) of a FragmentedArray z [bq, bk] and a row vector ref
-  [bq] (c = raw, or 1 when z is already in base-2 units)."""
-  ref = ref.broadcast_in_dim(z.shape, (0,), z.layout)
-  return ((z * raw if raw is not None else z) - ref).exp2(approx=True)
-
-
 def _lazy_softmax(z, m, l, acc, raw, interpret: bool):
   """One forward step's softmax with lazy rescaling (FA4's threshold rule).
 
@@ -629,71 +567,43 @@ def _lazy_softmax(z, m, l, acc, raw, interpret: bool):
 
   @plgpu.inline_mgpu(arg_types=(wgmma, row, row, wgmma), return_type=out_types)
   def run(_, z, m, l, acc):
-    p_fast = _scaled_exp2(z, raw, m)  # needs no row max: overlaps its reduction
+    def probs(ref):
+      ref = ref.broadcast_in_dim(z.shape, (0,), z.layout)
+      return ((z * c if raw is not None else z) - ref).exp2(approx=True)
+
+    p_fast = probs(m)  # needs no row max: overlaps its reduction below
     z_max = z.reduce("max", 1)
     m_new = m.max(z_max * c if raw is not None else z_max)
     grow = m_new > m + _RESCALE_TAU
     m_use = grow.select(m_new, m)
-
-    def redo():
+    flag = None
+    for reg in grow.registers.flat:
+      for i in range(ir.VectorType(reg.type).shape[0]):
+        e = vector.extract(reg, dynamic_position=[], static_position=[i])
+        flag = e if flag is None else arith.ori(flag, e)
+    flag = nvvm.vote_sync(mgpu.utils.c(0xFFFFFFFF, ir.IntegerType.get_signless(32)),
+                          flag, "any")
+    keep = (p_fast, l, acc)
+    regs = [r for x in keep for r in x.registers.flat]
+    branch = scf.IfOp(flag, [r.type for r in regs], has_else=True)
+    with ir.InsertionPoint(branch.then_block):
       alpha = (m - m_use).exp2(approx=True)
-      return (_scaled_exp2(z, raw, m_use), l * alpha,
+      redo = (probs(m_use), l * alpha,
               acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout))
-
-    p, l, acc = _warp_if(_warp_any(grow), redo, (p_fast, l, acc))
+      scf.yield_([r for x in redo for r in x.registers.flat])
+    with ir.InsertionPoint(branch.else_block):
+      scf.yield_(regs)
+    results, out = list(branch.results), []
+    for x in keep:
+      n = x.registers.size
+      out.append(mgpu.FragmentedArray(
+          _registers=np.array(results[:n], dtype=object).reshape(x.registers.shape),
+          _layout=x.layout, _is_signed=x.is_signed))
+      results = results[n:]
+    p, l, acc = out
     return p, m_use, l, acc
 
   return run(z, m, l, acc)
-
-
-def _wg_any(pred):
-  """1 in every thread of a warpgroup if `pred` (a bool FragmentedArray)
-  holds for any element any thread of the warpgroup has, else 0: an i32
-  scalar (WG_SPLAT). One `bar.red.or.pred` on the warpgroup's named barrier
-  (Mosaic GPU's `warpgroup_barrier` id)."""
-  i32 = ir.IntegerType.get_signless(32)
-  out = mgpu.utils.inline_ptx(
-      "{ .reg .pred pi, po; setp.ne.u32 pi, $1, 0; "
-      "bar.red.or.pred po, $2, 128, pi; selp.u32 $0, 1, 0, po; }",
-      arith.extui(i32, _thread_any(pred)), mgpu.utils.warpgroup_barrier_idx(sync=False),
-      result_types=i32, has_side_effects=True, convergent=True)
-  return mgpu.FragmentedArray.splat(out, (), is_signed=True)
-
-
-def _max_free_probs(z, m, raw, dtype, interpret: bool):
-  """A forward step's p without the row-max reduction (key blocks after a
-  query tile's first): p = exp2(c z - m) against the running max m as it
-  stands. It stands while every row sum of p is at most 2^_SUM_TAU (then no
-  p exceeds that either, so m is still a valid stabiliser and O, l need no
-  rescale: FA4's threshold rule, decided on the row sums, which the step
-  needs anyway, instead of on a row max). Otherwise (a row max that grew,
-  m still at its start, an infinite or NaN sum) the caller redoes the step
-  the usual way, for the whole warpgroup (it reissues q k^T: z is not kept,
-  so that p can take its registers).
-
-  z [bq, bk]: base-2 logits, or raw q.k when `raw` (log2(e) * scale) is
-  given; m [bq]: the running max. Returns (p in `dtype`, row sums of p,
-  redo: an int32 scalar, 1 where the step must be redone)."""
-  bound = 2.0 ** _SUM_TAU
-  if interpret:  # the same decision without inline_mgpu
-    p = jnp.exp2((z * raw if raw is not None else z)
-                 - lax.broadcast_in_dim(m, z.shape, [0]))
-    sums = p.sum(axis=1)
-    return p.astype(dtype), sums, jnp.any(~(sums <= bound)).astype(jnp.int32)
-
-  wgmma, row = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
-  out_types = (plgpu.ShapeDtypeStruct(z.shape, dtype, wgmma),
-               plgpu.ShapeDtypeStruct(m.shape, jnp.float32, row),
-               plgpu.ShapeDtypeStruct((), jnp.int32, plgpu.Layout.WG_SPLAT(shape=())))
-
-  @plgpu.inline_mgpu(arg_types=(wgmma, row), return_type=out_types)
-  def run(_, z, m):
-    p = _scaled_exp2(z, raw, m)
-    sums = p.reduce("add", 1)
-    # ~(sums <= bound): also true for an infinite or NaN sum.
-    return p.astype(mgpu.utils.dtype_to_ir_type(dtype)), sums, _wg_any(~(sums <= bound))
-
-  return run(z, m)
 
 
 def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
@@ -757,8 +667,6 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     # (P V's contraction must stay a multiple of 64: bk >= 128.)
     if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
       segments = _split_last_half(sp, segments, r0, bq, bk, q_lim, kv_lim)
-    segments = (_max_free_after_first(segments) if hvp <= MAX_FREE_MAX_WIDTH
-                else tuple((*seg, False) for seg in segments))
     q_tile = q_smem.at[wg]
     if not ctas:
       load_q(b, n, r0)
@@ -792,17 +700,6 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
         z = jnp.where(vis, z, -jnp.inf)
       return z
 
-    def plain_softmax(z, m, l, acc):
-      """(p, new running max, l and acc rescaled to it; the row sums of p
-      not yet in l)."""
-      z_max = z.max(axis=1)
-      m_new = jnp.maximum(m, z_max * raw if raw is not None else z_max)
-      m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
-      p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
-      alpha = jnp.exp2(m - m_new)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return p, m_new, l * alpha, acc
-
     def wait_next_k(j):
       # Step j + 1's keys: waited while step j's P V runs (FA3, Sec. 3.1).
       @pl.when(j + 1 < hi)
@@ -816,7 +713,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
                               pl.cdiv(sp.s, bk) - 1, (bq, bk))
 
-    def step(j, carry, mode, max_free):
+    def step(j, carry, mode):
       m, l, acc, tiles = carry
       slot = slot_of(j)
       if mode == "skip":  # a block only the other consumer sees
@@ -850,38 +747,26 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       last_qk_done(j)
       bias, mask = tiles
       with jax.named_scope("softmax"):
-        if not max_free:  # (else K stays until p is kept)
-          plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
         z = logits(qk, j, mode != "full", bias, mask)
-        if max_free:  # this step's row sums already in l
-          p16, sums, redo = _max_free_probs(z, m, raw, dtype, interpret)
-
-          def again():  # q k^T once more, then the usual step
-            def product(acc_ref):
-              plgpu.wgmma(acc_ref, q_op, k_tile.T)
-              return acc_ref[...]
-            z = logits(pl.run_scoped(product, plgpu.ACC((bq, width), jnp.float32)),
-                       j, mode != "full", bias, mask)
-            p, m_new, l_new, acc_new = plain_softmax(z, m, l, acc)
-            return p.astype(dtype), m_new, l_new + p.sum(axis=1), acc_new
-
-          p16, m_new, l, acc = lax.cond(
-              redo != 0, again, lambda: (p16, m, l + sums, acc))
-          plgpu.barrier_arrive(k_free.at[slot])
+        if LAZY_RESCALE and hvp >= 128:
+          p, m_new, l, acc = _lazy_softmax(z, m, l, acc, raw, interpret)
         else:
-          if LAZY_RESCALE and hvp >= 128:
-            p, m_new, l, acc = _lazy_softmax(z, m, l, acc, raw, interpret)
-          else:
-            p, m_new, l, acc = plain_softmax(z, m, l, acc)
-          p16 = p.astype(dtype)
+          z_max = z.max(axis=1)
+          m_new = jnp.maximum(m, z_max * raw if raw is not None else z_max)
+          m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
+          p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
+          alpha = jnp.exp2(m - m_new)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l = l * alpha
+        p16 = p.astype(dtype)
       # Instruction order matters for overlap (the ordering of JAX's FA3
       # example): with small accumulators finish the softmax before
       # releasing the tensor cores, with large ones after.
-      row_sums = not max_free  # to add to l
-      sum_under_pv = row_sums and SUM_UNDER_PV and hvp >= 128 and not interpret
+      sum_under_pv = SUM_UNDER_PV and hvp >= 128 and not interpret
       if hvp <= 128:
         with jax.named_scope("softmax"):
-          if row_sums and not sum_under_pv:
+          if not sum_under_pv:
             l = l + p.sum(axis=1)
           acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         with jax.named_scope("rendezvous_pv"):
@@ -889,7 +774,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       else:
         with jax.named_scope("rendezvous_pv"):
           take_turn(slot)
-        if row_sums and not sum_under_pv:
+        if not sum_under_pv:
           with jax.named_scope("softmax"):
             l = l + p.sum(axis=1)
       if interpret:
@@ -929,9 +814,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     else:  # WG 0 starts with the token; each WG's first turn issues Q K_0^T
       pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
       plgpu.barrier_wait(sched.at[wg])
-    for start, stop, mode, max_free in segments:
-      carry = lax.fori_loop(start, stop, functools.partial(
-          step, mode=mode, max_free=max_free), carry)
+    for start, stop, mode in segments:
+      carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
     if nc == 2:
       pl.when(wg == 0)(schedule)
     else:  # pass the last turn on; WG 0 takes the token's final phase
