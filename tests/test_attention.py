@@ -998,6 +998,7 @@ def test_mosaic_exp_under_dp_lowers_for_cuda(monkeypatch, causal, h, orders):
     text = _lower_text(jax.grad(loss), q)
   assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
 
+
 @pytest.mark.parametrize("width", [0, 128])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("causal", [False, True])

@@ -1018,9 +1018,9 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
 
 
 def _products(pairs, shape):
-  """[a @ b for (a, b) in pairs] (b an SMEM ref, a one or 16-bit WGMMA-layout
-  registers) in fresh f32 accumulators, all issued before the first is read
-  (one wait)."""
+  """[a @ b for (a, b) in pairs] (b an SMEM ref, a an SMEM ref or 16-bit
+  registers in the WGMMA layout) in fresh f32 accumulators, all issued
+  before the first is read (one wait)."""
 
   def run(*acc_refs):
     for acc_ref, (a, b) in zip(acc_refs, pairs):
