@@ -159,16 +159,6 @@ DKDV_KV_REGS_MAX_WIDTH = 128
 # kernel 1.6-2.4 % slower causal (every round), -7.3 to +3.9 % non-causal,
 # so off (docs/benchmarks.md 2026-12-06).
 FWD_Q_REGS = False
-# Persistent forward: a CTA's tiles run as one sequence of tensor-core turns
-# (a tile's last P V and the next tile's first Q K^T share a turn, instead of
-# the consumers draining the tensor cores and starting a new round per tile),
-# and each tile's epilogue (normalise, store O and lse) runs under the next
-# tile's first Q K^T. A tile's first step is then always a masked step (a
-# block a consumer does not see computes p = 0 and changes nothing). H100,
-# 2026-12-06: at 65536 tokens per head dim 64, the forward's time per tile fit
-# 1.85 us per tile plus 1.47 us per 128-key round (T 1024-8192), the per-tile
-# part 7 % of the seed shape's time and 12 % causal.
-FWD_TILE_PIPELINE = True
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
 # other 64-row consumer at 128-key blocks, a key length just past a block
@@ -274,9 +264,8 @@ def _round_up(x: int, m: int) -> int:
 
 
 def smem_bytes(config: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int,
-               residuals: bool = True, pipelined: bool = False) -> int:
-  """Shared memory of the forward kernel (each buffer 1 KiB aligned);
-  `pipelined`: with `_tile_pipeline`'s second Q buffer."""
+               residuals: bool = True) -> int:
+  """Shared memory of the forward kernel (each buffer 1 KiB aligned)."""
   bq, bk, st = config.block_q, config.block_kv, config.num_stages
   nc = config.consumers
   q = nc * bq * hp * itemsize
@@ -284,7 +273,7 @@ def smem_bytes(config: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int,
   o = 0 if hvp == hp and not config.persistent else nc * bq * hvp * itemsize
   kv = st * bk * (hp + hvp) * itemsize
   lse = nc * bq * 4 if residuals else 0
-  bufs = [q, q if pipelined else 0, o, kv // 2, kv // 2, lse]
+  bufs = [q, o, kv // 2, kv // 2, lse]
   # + barriers and Pallas' own scratch: ~2.2 KiB over the 1 KiB-rounded
   # buffers (test_mosaic_smem_estimate_bounds_the_kernel).
   return sum(_round_up(x, 1024) for x in bufs if x) + 2560
@@ -346,14 +335,6 @@ def _persistent_tiles(total: int, ctas: int):
   rounds = total // ctas
   count = rounds + (tile(jnp.int32(rounds)) < total).astype(jnp.int32)
   return count, tile
-
-
-def _tile_pipeline(config: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int,
-                   residuals: bool) -> bool:
-  """Whether the forward runs its persistent tiles as one sequence of turns
-  (FWD_TILE_PIPELINE), where a second Q buffer per consumer fits."""
-  return (config.persistent and FWD_TILE_PIPELINE and smem_bytes(
-      config, hp, hvp, itemsize, residuals, pipelined=True) <= pallas_mosaic.SMEM_BYTES)
 
 
 def _query_cta(sp, q_ref, q_len_ref, kv_len_ref, bq: int, bk: int,
@@ -626,13 +607,11 @@ def _lazy_softmax(z, m, l, acc, raw, interpret: bool):
 
 
 def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
-                nc: int, save_lse: bool, ctas: int, pipelined: bool, interpret: bool):
+                nc: int, save_lse: bool, ctas: int, interpret: bool):
   """ctas: 0 for one CTA per query tile, else the number of persistent CTAs
   (`_persistent_tiles`): the K/V ring runs on across tiles (the producer
   fills the next tile's slots under this tile's last steps) and each
-  consumer prefetches its next Q tile under its epilogue; `pipelined`
-  (`_tile_pipeline`): the tiles in one sequence of turns, each stored under
-  the next one's first step, Q two tiles ahead in two buffers."""
+  consumer prefetches its next Q tile under its epilogue."""
   it = iter(refs)
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   bias_ref = next(it) if sp.bias_dims is not None else None
@@ -672,68 +651,14 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       plgpu.barrier_wait(v_ready.at[slot])
       plgpu.barrier_wait(sched.at[wg])
 
-  def q_buffer(i):
-    """(Q buffer, its barrier) of tile i: `pipelined`, two per WG taken in
-    turn, else one."""
-    if not pipelined:
-      return q_smem.at[wg], q_ready.at[wg]
-    slot = lax.rem(jnp.asarray(i, jnp.int32), jnp.int32(2)) * nc + wg
-    return q_smem.at[slot], q_ready.at[slot]
-
-  def load_q(b, n, r0, i=0):
-    q_tile, ready = q_buffer(i)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(r0, bq), n], q_tile, ready)
-
-  def load_tile_q(i):
-    b, n, _, _, _, _, cta0, _, _ = query_tile(i)
-    load_q(b, n, cta0 + wg * bq, i)
+  def load_q(b, n, r0):
+    plgpu.copy_gmem_to_smem(
+        q_ref.at[b, pl.ds(r0, bq), n], q_smem.at[wg], q_ready.at[wg])
 
   # Persistent: tile i + 1's Q goes out once this WG's last Q K^T has run.
   load_first, prefetch_q = _tile_rows(query_tile, count, wg, bq, load_q)
 
-  def first_turn():  # WG 0 takes the first turn; each WG's issues Q K_0^T
-    if nc == 2:
-      pl.when(wg == 1)(schedule)
-    else:
-      pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
-      plgpu.barrier_wait(sched.at[wg])
-
-  def last_turn():  # after the last P V: pass it on; WG 0 takes the final phase
-    if nc == 2:
-      pl.when(wg == 0)(schedule)
-    else:
-      pass_turn()
-      pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))
-
-  def store_tile(result, i=0):
-    """Tile i's epilogue: O and lse of its rows stored (rows that saw no
-    key, l = 0, and rows >= q_lim output 0 with lse = 0)."""
-    acc, l, m, b, n, r0, q_lim = result
-    with jax.named_scope("epilogue"):
-      seen = l > 0
-      inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      rows = r0 + plgpu.broadcasted_iota(
-          jnp.int32, (bq, hvp), 0, layout=plgpu.Layout.WGMMA)
-      out = jnp.where(rows < q_lim, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), 0.0)
-      if ctas:  # the previous tile's stores have read O's buffer
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_tile = o_smem.at[wg]
-      o_tile[...] = out.astype(dtype)
-      if save_lse:
-        lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, 0.0)
-        lse_smem.at[wg][...] = lse
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(r0, bq), n])
-      if save_lse:
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(r0, bq)])
-      if not ctas:
-        plgpu.wait_smem_to_gmem(0)
-
-  def consumer_tile(i, carry):
-    """Tile i of the CTA; carry: k0 (the blocks of earlier tiles), and when
-    `pipelined` also the previous tile's result, stored under this tile's
-    first Q K^T (returned: this tile's)."""
-    k0, pending = carry if pipelined else (carry, None)
+  def consumer_tile(i, k0):
     b, n, _, kh, q_lim, kv_lim, cta0, lo, hi = query_tile(i)
     slot_of = _ring(lo, k0, stages)
     r0 = cta0 + wg * bq
@@ -742,11 +667,11 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     # (P V's contraction must stay a multiple of 64: bk >= 128.)
     if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
       segments = _split_last_half(sp, segments, r0, bq, bk, q_lim, kv_lim)
-    q_tile, q_tile_ready = q_buffer(i)
+    q_tile = q_smem.at[wg]
     if not ctas:
       load_q(b, n, r0)
     with jax.named_scope("q_wait"):  # named regions: trace_kernels() traces
-      plgpu.barrier_wait(q_tile_ready)
+      plgpu.barrier_wait(q_ready.at[wg])
     q_op = q_tile
     if FWD_Q_REGS and not interpret:
       q_op = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA)
@@ -782,19 +707,13 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
         plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
 
     def last_qk_done(j):
-      if ctas and not pipelined:
+      if ctas:
         pl.when(j == hi - 1)(lambda: prefetch_q(i))
-
-    def store_previous():
-      """`pipelined`: tile i - 1 stored, and tile i + 1's Q loaded into the
-      buffer that tile i - 1's took."""
-      store_tile(pending, i - 1)
-      pl.when(i + 1 < count)(lambda: load_tile_q(i + 1))
 
     load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
                               pl.cdiv(sp.s, bk) - 1, (bq, bk))
 
-    def step(j, carry, mode, pending=None):
+    def step(j, carry, mode):
       m, l, acc, tiles = carry
       slot = slot_of(j)
       if mode == "skip":  # a block only the other consumer sees
@@ -820,8 +739,6 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
           nxt = load_tiles(n, j, 1)
         with jax.named_scope("rendezvous_qk"):
           pass_turn()  # the other consumers' softmax runs meanwhile
-        if pending is not None:  # the previous tile's epilogue meanwhile
-          pl.when(i > 0)(store_previous)
         with jax.named_scope("qk_wait"):
           s = acc_ref[...]
         return s, nxt
@@ -892,56 +809,47 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     def _():
       plgpu.barrier_wait(k_ready.at[slot_of(lo)])
 
-    if pipelined:
-      # The turn is this WG's since the previous tile's last P V (or
-      # first_turn). Step lo, masked whatever its segment, stores the
-      # previous tile under its Q K^T; a tile without steps stores it now.
-      pl.when((lo >= hi) & (i > 0))(store_previous)
-      first = jnp.minimum(lo + 1, hi)
-      carry = lax.fori_loop(lo, first, functools.partial(
-          step, mode="masked", pending=pending), carry)
-      segments = [(jnp.maximum(a, first), jnp.maximum(c, first), mode)
-                  for a, c, mode in segments]
-    else:
-      first_turn()
+    if nc == 2:
+      pl.when(wg == 1)(schedule)
+    else:  # WG 0 starts with the token; each WG's first turn issues Q K_0^T
+      pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
+      plgpu.barrier_wait(sched.at[wg])
     for start, stop, mode in segments:
       carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
-    if not pipelined:
-      last_turn()
-    if ctas and not pipelined:  # a tile without key blocks: Q is not in use
+    if nc == 2:
+      pl.when(wg == 0)(schedule)
+    else:  # pass the last turn on; WG 0 takes the token's final phase
+      pass_turn()
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))
+    if ctas:  # a tile without key blocks: Q is not in use
       pl.when(lo >= hi)(lambda: prefetch_q(i))
     m, l, acc, _ = carry
-    result = (acc, l, m, b, n, r0, q_lim)
-    k_next = k0 + jnp.maximum(hi - lo, 0) if ctas else None
-    if pipelined:
-      return k_next, result
-    store_tile(result)
-    return k_next
 
-  def pipelined_consumer():
-    """`pipelined`: the tiles in one sequence of turns, the last tile
-    stored after it."""
-    if not interpret:
-      plgpu.set_max_registers(_consumer_regs(nc), action="increase")
-    load_tile_q(0)  # both Q buffers are free
-    pl.when(count > 1)(lambda: load_tile_q(1))
-    first_turn()
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    zero = jnp.int32(0)
-    none = (plgpu.layout_cast(jnp.zeros((bq, hvp), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout),
-            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout),
-            zero, zero, zero, zero)
-    _, last = lax.fori_loop(0, count, consumer_tile, (zero, none))
-    last_turn()
-    pl.when(count > 0)(lambda: store_tile(last, count - 1))
-    plgpu.wait_smem_to_gmem(0)
+    # Rows that saw no key (l = 0) and rows >= q_lim output 0 with lse = 0.
+    with jax.named_scope("epilogue"):
+      seen = l > 0
+      inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      rows = r0 + plgpu.broadcasted_iota(
+          jnp.int32, (bq, hvp), 0, layout=plgpu.Layout.WGMMA)
+      out = jnp.where(rows < q_lim, acc * lax.broadcast_in_dim(inv, acc.shape, [0]), 0.0)
+      if ctas:  # the previous tile's stores have read O's buffer
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      o_tile = o_smem.at[wg]
+      o_tile[...] = out.astype(dtype)
+      if save_lse:
+        lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, 0.0)
+        lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, pl.ds(r0, bq), n])
+      if save_lse:
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(r0, bq)])
+      if not ctas:
+        plgpu.wait_smem_to_gmem(0)
+    if ctas:
+      return k0 + jnp.maximum(hi - lo, 0)
 
-  if pipelined:
-    pl.when(wg < nc)(pipelined_consumer)
-  else:
-    pl.when(wg < nc)(lambda: _run_consumer(
-        consumer_tile, count, ctas, load_first, nc, interpret))
+  pl.when(wg < nc)(lambda: _run_consumer(
+      consumer_tile, count, ctas, load_first, nc, interpret))
 
   def issue(b, kh, j, slot, barrier_wait):
     rows = (b, pl.ds(j * bk, bk), kh)
@@ -983,16 +891,14 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   nq = pl.cdiv(tq, cta_rows)
   interpret = pallas_mosaic.INTERPRET.value
   dtype = q.dtype
-  ctas = _persistent_ctas(bsz * n * nq, config.persistent)
-  pipelined = _tile_pipeline(config, hp, hvp, q.dtype.itemsize, return_residuals)
   scratch = [
-      plgpu.SMEM((2 * nc if pipelined else nc, bq, hp), dtype),
+      plgpu.SMEM((nc, bq, hp), dtype),
       None if hvp == hp and not config.persistent else plgpu.SMEM((nc, bq, hvp), dtype),
       plgpu.SMEM((stages, bk, hp), dtype),
       plgpu.SMEM((stages, bk, hvp), dtype),
       plgpu.SMEM((nc, bq), jnp.float32) if return_residuals else None,
       plgpu.SMEM((nc, bq, bk), dtype) if interpret else None,
-      plgpu.Barrier(num_barriers=2 * nc if pipelined else nc),  # q_ready
+      plgpu.Barrier(num_barriers=nc),  # q_ready
       plgpu.Barrier(num_barriers=stages),  # k_ready
       plgpu.Barrier(num_barriers=stages),  # v_ready
       plgpu.Barrier(num_arrivals=nc, num_barriers=stages),  # k_free
@@ -1012,11 +918,11 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       jax.ShapeDtypeStruct((bsz, n, nq * cta_rows), jnp.float32)
       if return_residuals else None,
   ]
+  ctas = _persistent_ctas(bsz * n * nq, config.persistent)
   kernel = plgpu.kernel(
       functools.partial(
           _fwd_kernel, sp=sp, bq=bq, bk=bk, stages=stages, hp=hp, hvp=hvp,
-          nc=nc, save_lse=return_residuals, ctas=ctas, pipelined=pipelined,
-          interpret=interpret),
+          nc=nc, save_lse=return_residuals, ctas=ctas, interpret=interpret),
       out_type=out_type,
       scratch_types=scratch,
       # CTAs running together are query tiles of a few heads and share their
