@@ -161,7 +161,8 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout ${AB_S:-400} python3 benchmarks/attention_variance.py "$OUT/exp_under_dp" \
          ${ROUNDS:-3} "${SHAPES:-seed,B8 T4096,GQA}" EXP_UNDER_DP "(),('dkdv','dq')" 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -40 ;;
-    # 17 (2026-12-05 23:50): ring depths at the seed shapes now that the
+    # 17 (2026-12-05 23:50; ran on an H100 on 2026-12-06 06:10, (2, 2)
+    # stays): ring depths at the seed shapes now that the
     # dk/dv kernel computes its exponentials under dp (the shipped configs
     # were tuned before): per-kernel A/B of (dk/dv stages, dq stages) 2,2
     # (shipped) against 3,2 and 2,3; 3 dk/dv stages fit without spills
@@ -185,6 +186,11 @@ if [[ $what == pending ]]; then
        done ;;
     # 19 ran on an H100 on 2026-12-06 (04:08): max-free forward steps
     # (commits 22e0134, 66e03b2), not faster, removed (docs/benchmarks.md).
+    # 20 (2026-12-06 05:44, ran on an H100): "mosaic" and cuDNN forward
+    # throughput against sequence length at 65536 tokens (H64; per-tile
+    # costs), for the H200 next.
+    20) timeout ${BENCH_S:-170} python3 benchmarks/attention_length_scaling.py "$OUT" 3 64 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tail -12 ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"

@@ -1,0 +1,71 @@
+"""Forward attention throughput against sequence length at a fixed B*T (GPU).
+
+Usage: python benchmarks/attention_length_scaling.py [OUT_DIR] [ROUNDS] [H] [LENGTHS]
+At B*T = 65536 tokens, N = 16, head dim H (default 64), for each T of
+LENGTHS (comma-separated, default 1024,2048,4096,8192,16384), causal and
+not: "mosaic" (shipped cache or heuristic) and cuDNN (jax.nn) forward, each
+compiled once and timed in ROUNDS alternating rounds (default 3) of 20
+calls (cupti), fresh random bf16 inputs per round. The FLOPs of a T grow
+with T at a fixed token count, while the per-query-tile costs (prologue,
+epilogue, pipeline fill) stay per tile, so a kernel with a large per-tile
+cost gains more throughput with T than one without. Prints median TFLOP/s
+per kernel and the ratio; writes attention_length_scaling.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import common
+import tokamax
+
+TOKENS = 65536
+HEADS = 16
+
+
+def main(out_dir=".", rounds="3", head_dim="64", lengths="1024,2048,4096,8192,16384"):
+  rounds, h = int(rounds), int(head_dim)
+  impls = {
+      "mosaic": lambda **kw: tokamax.dot_product_attention(**kw, implementation="mosaic"),
+      "cudnn": lambda **kw: jax.nn.dot_product_attention(**kw, implementation="cudnn"),
+  }
+  rows = []
+  for t in (int(x) for x in lengths.split(",")):
+    b = TOKENS // t
+    for causal in (False, True):
+      shape = jax.ShapeDtypeStruct((b, t, HEADS, h), jnp.bfloat16)
+      compiled = {
+          name: jax.jit(lambda q, k, v, fn=fn: fn(query=q, key=k, value=v, is_causal=causal))
+          for name, fn in impls.items()}
+      times = {name: [] for name in impls}
+      for r in range(rounds):
+        keys = jax.random.split(jax.random.key(r), 3)
+        args = [jax.random.normal(key, shape.shape, shape.dtype) for key in keys]
+        for name, f in compiled.items():
+          times[name].append(common.median_ms(f, args))
+      flops = common.attention_flops((b, t, HEADS, HEADS, h), causal, "forward")
+      row = dict(b=b, t=t, n=HEADS, h=h, causal=causal)
+      for name, ts in times.items():
+        ms = statistics.median(ts)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops"] = flops / ms / 1e9
+      row["mosaic_x_cudnn"] = row["cudnn_ms"] / row["mosaic_ms"]
+      rows.append(row)
+      print(f"B{b} T{t} H{h} causal={causal}: mosaic {row['mosaic_tflops']:.1f} "
+            f"cudnn {row['cudnn_tflops']:.1f} TFLOP/s, x{row['mosaic_x_cudnn']:.3f}",
+            flush=True)
+  meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind,
+              jax=jax.__version__, rounds=rounds)
+  path = pathlib.Path(out_dir) / "attention_length_scaling.json"
+  path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
