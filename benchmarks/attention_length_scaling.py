@@ -9,7 +9,11 @@ calls (cupti), fresh random bf16 inputs per round. The FLOPs of a T grow
 with T at a fixed token count, while the per-query-tile costs (prologue,
 epilogue, pipeline fill) stay per tile, so a kernel with a large per-tile
 cost gains more throughput with T than one without. Prints median TFLOP/s
-per kernel and the ratio; writes attention_length_scaling.json.
+per kernel and the ratio, and a least-squares fit of "mosaic"'s non-causal
+times as SMs x time = tiles x (cost per tile) + rounds x (cost per round)
+(a tile: consumers x block_q query rows of the heuristic config, a round:
+one block_kv key step of all its consumers); writes
+attention_length_scaling.json.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import common
 import tokamax
+from tokamax.ops.attention import mosaic as mosaic_attn
 
 TOKENS = 65536
 HEADS = 16
@@ -62,9 +68,28 @@ def main(out_dir=".", rounds="3", head_dim="64", lengths="1024,2048,4096,8192,16
             f"cudnn {row['cudnn_tflops']:.1f} TFLOP/s, x{row['mosaic_x_cudnn']:.3f}",
             flush=True)
   meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind,
-              jax=jax.__version__, rounds=rounds)
+              jax=jax.__version__, rounds=rounds, fit_us=_fit(rows, h))
+  print("mosaic per tile / per round (us):", meta["fit_us"])
   path = pathlib.Path(out_dir) / "attention_length_scaling.json"
   path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+def _fit(rows, h):
+  """(us per tile, us per round) of "mosaic"'s non-causal rows (module
+  docstring), or None with fewer than two lengths."""
+  sms = getattr(jax.devices()[0], "core_count", 132)
+  counts, times = [], []
+  for r in rows:
+    if r["causal"]:
+      continue
+    c = mosaic_attn.heuristic_config(r["t"], r["t"], h, h, 2)
+    tiles = r["b"] * r["n"] * -(-r["t"] // (c.consumers * c.block_q))
+    counts.append((tiles, tiles * -(-r["t"] // c.block_kv)))
+    times.append(r["mosaic_ms"] * 1e3 * sms)
+  if len(times) < 2:
+    return None
+  fit, *_ = np.linalg.lstsq(np.array(counts, float), np.array(times), rcond=None)
+  return [round(float(x), 3) for x in fit]
 
 
 if __name__ == "__main__":
