@@ -9,7 +9,9 @@ rounds (default 6), each on freshly allocated random inputs (a new seed),
 of tokamax.ops.attention.mosaic, or "triton.NAME" of tokamax.ops.attention.
 triton, which then times "triton" instead, or "vjp.FIELD", a field of the
 "mosaic" backward config, set on the shape's heuristic config, which is
-also the shipped one; "vjp.F1+F2" sets several, its VALUES tuples) and
+also the shipped one; "vjp.F1+F2" sets several, its VALUES tuples; or
+"fwd.FIELD", likewise a field of the forward config on the heuristic one,
+e.g. fwd.num_stages) and
 VALUES (comma-separated Python literals), the implementation is compiled
 once per value and every round times each (an
 A/B per kernel under the same clocks). Environment SET ("NAME=VALUE,...")
@@ -59,6 +61,7 @@ SHAPES = {  # label: (B, T, N, K, H, causal)
     "mid causal B2 T8192 N12 H128": (2, 8192, 12, 12, 128, True),
 }
 CALLS = 20
+_CONFIG_FLAGS = ("vjp.", "fwd.")  # FLAG kinds that set config fields
 _SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
 
@@ -106,7 +109,7 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
     impl_name, module, flag = "triton", triton_attn, flag.removeprefix("triton.")
   variants = {impl_name: None}
   if flag:
-    default = None if flag.startswith("vjp.") else getattr(module, flag)
+    default = None if flag.startswith(_CONFIG_FLAGS) else getattr(module, flag)
     variants = {f"{impl_name} {flag}={v}": v for v in ast.literal_eval(f"[{values}]")}
   log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
   smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_SMI_FIELDS}",
@@ -121,20 +124,23 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
       ours = lambda q, k, v: tokamax.dot_product_attention(
           q, k, v, is_causal=causal, implementation=impl_name)
       fns = {name: ours for name in variants}
-      if flag.startswith("vjp."):  # explicit backward configs
-        base = mosaic_attn.vjp_heuristic_config(t, t, h, h, 2, causal, b * kh)
+      if flag.startswith(_CONFIG_FLAGS):  # explicit backward or forward configs
+        vjp = flag.startswith("vjp.")
+        base = (mosaic_attn.vjp_heuristic_config(t, t, h, h, 2, causal, b * kh) if vjp
+                else mosaic_attn.heuristic_config(t, t, h, h, 2))
         for name, value in variants.items():
-          fields = flag.removeprefix("vjp.").split("+")  # vjp.A+B: tuple values
+          fields = flag.split(".", 1)[1].split("+")  # vjp.A+B: tuple values
           value = value if len(fields) > 1 else (value,)
-          op = mosaic_attn.MosaicDotProductAttention(
-              vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=dataclasses.replace(
-                  base, **dict(zip(fields, value)))))
+          config = dataclasses.replace(base, **dict(zip(fields, value)))
+          op = (mosaic_attn.MosaicDotProductAttention(
+                    vjp=mosaic_attn.MosaicDotProductAttentionVjp(config=config)) if vjp
+                else mosaic_attn.MosaicDotProductAttention(config=config))
           fns[name] = functools.partial(op, is_causal=causal)
       fns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")
       compiled = {}
       for impl, fn in fns.items():
-        module_flag = flag and not flag.startswith("vjp.")
+        module_flag = flag and not flag.startswith(_CONFIG_FLAGS)
         if module_flag and impl in variants:  # the module reads it while tracing
           setattr(module, flag, variants[impl])
         f_std, args = benchmarking.standardize_function(fn, q, kv, kv, mode="forward_and_vjp")

@@ -191,6 +191,16 @@ if [[ $what == pending ]]; then
     # costs), for the H200 next.
     20) timeout ${BENCH_S:-170} python3 benchmarks/attention_length_scaling.py "$OUT" 3 64 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | tail -12 ;;
+    # 21 (2026-12-06 07:10): the tiles-as-one-sequence forward (dropped at a
+    # 2-deep ring, docs/benchmarks.md 2026-12-06 05:30) with a 3-deep ring:
+    # needs `git cherry-pick --no-commit 68e394c` in the checkout first
+    # (FWD_TILE_PIPELINE; SET fails without it). Per-kernel A/B of the
+    # forward's ring depth with the switch off, then on.
+    21) for pipe in False True; do mkdir -p "$OUT/pipe_$pipe"
+         SET="FWD_TILE_PIPELINE=$pipe" PAUSE_S=1 timeout ${AB_S:-200} python3 \
+           benchmarks/attention_variance.py "$OUT/pipe_$pipe" ${ROUNDS:-3} "${SHAPES:-seed}" \
+           fwd.num_stages 2,3 2>&1 | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -10
+       done ;;
     # 4: the widened band-1 rule where it is untimed: "mosaic" at 17-33
     # (batch, head) pairs, BAND_ONE_PER_HEAD 4 (band 1) against 8 (band 8).
     4) mkdir -p "$OUT/band_one"
