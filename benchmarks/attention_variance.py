@@ -59,6 +59,8 @@ SHAPES = {  # label: (B, T, N, K, H, causal)
     # 17-33 pairs: band 1 since 2026-12-05 (BAND_ONE_PER_HEAD 4), 8 before.
     "mid causal B1 T16384 N32 H128": (1, 16384, 32, 32, 128, True),
     "mid causal B2 T8192 N12 H128": (2, 8192, 12, 12, 128, True),
+    # T % 192 = 64: the partial query tile of three consumers (SHIFT_CAUSAL_TILES).
+    "short causal B64 T1024 N16 H64": (64, 1024, 16, 16, 64, True),
 }
 CALLS = 20
 _CONFIG_FLAGS = ("vjp.", "fwd.")  # FLAG kinds that set config fields

@@ -191,7 +191,24 @@ if [[ $what == pending ]]; then
     # costs), for the H200 next.
     20) timeout ${BENCH_S:-170} python3 benchmarks/attention_length_scaling.py "$OUT" 3 64 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | tail -12 ;;
-    # 21 (2026-12-06 07:10): the tiles-as-one-sequence forward (dropped at a
+    # 22 (2026-12-06 08:30; ran on an H100 on 2026-12-06 08:20, forward
+    # shipped): causal query tiles starting before row 0
+    # (SHIFT_CAUSAL_TILES) on the H200: the causal GPU tests with partial
+    # tiles, then per-kernel A/B of neither kernel, the forward (shipped)
+    # and both, then the length scaling at the new default.
+    22) T=tests/test_attention.py::TestMosaicGpu
+       JOBS=${JOBS:-3} pt ${TEST_S:-160} "$T::test_real_size_shapes[shape3-True]" \
+         "$T::test_real_size_shapes[shape4-True]" "$T::test_real_size_shapes[shape5-True]" \
+         "$T::test_persistent_real_size[shape0-3-True]" "$T::test_vjp_three_dq_consumers_configs" \
+         | tee "$OUT/pending_22_tests.log"
+       mkdir -p "$OUT/shift"
+       PAUSE_S=1 timeout ${AB_S:-240} python3 benchmarks/attention_variance.py "$OUT/shift" \
+         ${ROUNDS:-4} "${SHAPES:-seed causal,short causal}" SHIFT_CAUSAL_TILES \
+         "(),('fwd',),('fwd','dq')" 2>&1 | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -20
+       timeout ${BENCH_S:-170} python3 benchmarks/attention_length_scaling.py "$OUT" 3 64 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tail -12 ;;
+    # 21 (2026-12-06 07:10; ran on an H100 on 2026-12-06 07:43, a 3-deep
+    # ring does not rescue it): the tiles-as-one-sequence forward (dropped at a
     # 2-deep ring, docs/benchmarks.md 2026-12-06 05:30) with a 3-deep ring:
     # needs `git cherry-pick --no-commit 68e394c` in the checkout first
     # (FWD_TILE_PIPELINE; SET fails without it). Per-kernel A/B of the

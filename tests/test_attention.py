@@ -840,6 +840,27 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
                BF16, feature)
 
+  @pytest.mark.parametrize("kernels", [(), ("fwd", "dq")], ids=["none", "fwd_dq"])
+  @pytest.mark.parametrize("feature, consumers, persistent", [
+      ("causal", 3, False), ("causal", 2, True), ("t_ne_s_causal", 3, True),
+      ("window_left_right", 3, False), ("combined_positional", 3, True)])
+  def test_shift_causal_tiles(self, monkeypatch, kernels, feature, consumers,
+                              persistent):
+    """Causal/right-window query tiles starting before row 0
+    (SHIFT_CAUSAL_TILES; default: the forward only) in the forward and dq
+    kernels, and neither: WGs of rows < 0 loading and storing nothing,
+    one or two of them in a tile (t = 300, 1000 at 3 consumers), query
+    lengths, persistent tiles (3 CTAs)."""
+    monkeypatch.setattr(mosaic_attn, "SHIFT_CAUSAL_TILES", kernels)
+    monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
+                         persistent=persistent,
+                         vjp=dict(dq_block_kv=64, dq_consumers=consumers,
+                                  dq_persistent=persistent))
+    c = FEATURES[feature]
+    t = 1000 if feature == "causal" and consumers == 3 else 300
+    self.check(dataclasses.replace(c, t=t, s=t if c.s == c.t else 260), BF16, feature)
+
   @pytest.mark.parametrize("feature", ["causal", "kv_lens", "combined"])
   def test_192_key_steps(self, feature):
     """192-key forward steps (three 64-key wgmma contractions; no half step):
@@ -886,6 +907,25 @@ MOSAIC_LOWER_CASES = {
     "seed_bias_mask_causal": ((32, 2048, 2048, 16, 16, 64, 64), "bias_mask"),
     "H256_bias_mask": ((2, 1000, 1100, 4, 2, 256, 256), "bias_mask"),
 }
+
+
+@pytest.mark.parametrize("kernel, t, nc, causal, tiles, shift", [
+    ("fwd", 2048, 3, True, False, 64), ("fwd", 1024, 3, True, False, 128),
+    ("fwd", 1000, 3, True, False, 128), ("fwd", 300, 2, True, False, 64),
+    ("fwd", 4096, 2, True, False, 0), ("fwd", 1500, 2, True, False, 0),
+    ("fwd", 2048, 3, False, False, 0), ("fwd", 2048, 3, True, True, 0),
+    ("dq", 2048, 3, True, False, 0)])
+def test_mosaic_row_shift(kernel, t, nc, causal, tiles, shift):
+  """The rows before row 0 where the first query tile starts: the last
+  tile's rows past T in whole 64-row consumers, causal without bias/mask
+  tiles, in the kernels of SHIFT_CAUSAL_TILES (the forward)."""
+  x = jax.ShapeDtypeStruct((1, t, 2, 64), BF16)
+  sp = triton_attn.Spec.of(dict(
+      query=x, key=x, value=x, bias=None, mask=None, scale=0.125, precision=None,
+      is_causal=causal, local_window_size=None, logits_soft_cap=None,
+      query_seq_lengths=None, key_value_seq_lengths=None))
+  tq = max(nc * 64, t)
+  assert mosaic_attn._row_shift(kernel, sp, tq, 64, nc, tiles) == shift
 
 
 @pytest.mark.parametrize("bsz, heads, blocks, band", [
