@@ -191,6 +191,17 @@ if [[ $what == pending ]]; then
     # costs), for the H200 next.
     20) timeout ${BENCH_S:-170} python3 benchmarks/attention_length_scaling.py "$OUT" 3 64 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | tail -12 ;;
+    # 23 (2026-12-06 10:40; ran on an H100 10:03-10:33): D = rowsum(dO O)
+    # computed by the dq kernel (DQ_DELTA): the tests of both paths and the
+    # causal partial tiles (where a D store once ran into the next head's
+    # rows), then per-kernel A/B against XLA's D.
+    23) JOBS=${JOBS:-2} pt ${TEST_S:-150} tests/test_attention.py \
+         -k "TestMosaicGpu and (dq_delta_real_size or shape3-True or shape5-True)" \
+         | tee "$OUT/pending_23_tests.log"
+       mkdir -p "$OUT/dq_delta"
+       PAUSE_S=1 timeout ${AB_S:-240} python3 benchmarks/attention_variance.py "$OUT/dq_delta" \
+         ${ROUNDS:-3} "${SHAPES:-seed B32,seed causal,H128 causal,B8 T4096}" DQ_DELTA \
+         False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -20 ;;
     # 22 (2026-12-06 08:30; ran on an H100 on 2026-12-06 08:20, forward
     # shipped): causal query tiles starting before row 0
     # (SHIFT_CAUSAL_TILES) on the H200: the causal GPU tests with partial

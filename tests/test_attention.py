@@ -861,6 +861,26 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     t = 1000 if feature == "causal" and consumers == 3 else 300
     self.check(dataclasses.replace(c, t=t, s=t if c.s == c.t else 260), BF16, feature)
 
+  @pytest.mark.parametrize("dq_delta", [True, False])
+  @pytest.mark.parametrize("feature, consumers, persistent, shift", [
+      ("causal", 3, True, True), ("q_lens", 2, True, False),
+      ("combined", 2, False, False), ("t_ne_s_causal", 3, False, True),
+      ("gqa", 2, True, False)])
+  def test_dq_delta(self, monkeypatch, dq_delta, feature, consumers, persistent,
+                    shift):
+    """D = rowsum(dO * O) computed by the dq kernel and passed to the dk/dv
+    kernel (DQ_DELTA, default), and by XLA: persistent tiles (3 CTAs, D's
+    store of one tile in flight under the next), WGs of rows < 0 (shifted
+    dq tiles) storing no D, rows past the query length, bias and mask."""
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta)
+    monkeypatch.setattr(mosaic_attn, "SHIFT_CAUSAL_TILES", ("fwd", "dq") if shift else ())
+    monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
+    self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2,
+                         vjp=dict(dq_consumers=consumers, dq_persistent=persistent))
+    c = FEATURES[feature]
+    self.check(dataclasses.replace(c, t=300, s=300 if c.s == c.t else 260), BF16,
+               feature)
+
   @pytest.mark.parametrize("feature", ["causal", "kv_lens", "combined"])
   def test_192_key_steps(self, feature):
     """192-key forward steps (three 64-key wgmma contractions; no half step):
@@ -1188,6 +1208,23 @@ def test_mosaic_register_split(monkeypatch, producer):
   assert (mosaic_attn._consumer_regs(2), mosaic_attn._consumer_regs(3)) == (232, 152)
 
 
+@pytest.mark.parametrize("h, hv, fused", [(64, 64, True), (128, 128, True),
+                                          (128, 64, True), (256, 256, False)])
+def test_mosaic_dq_delta_rule(monkeypatch, h, hv, fused):
+  """The dq kernel computes D (DQ_DELTA) where its O tiles fit shared memory
+  on top of the heuristic config's buffers (not at head dim 256), never when
+  switched off; the config is chosen as without them."""
+  for banded in (False, True):
+    c = mosaic_attn.vjp_heuristic_config(2048, 2048, h, hv, 2, banded, 512)
+    assert mosaic_attn.dq_computes_delta(c, h, hv, 2) == fused
+    with_o = mosaic_attn.vjp_smem_bytes(c, h, hv, 2, dq_delta=True)[1]
+    assert (with_o <= pallas_mosaic.SMEM_BYTES) == fused
+    assert with_o > mosaic_attn.vjp_smem_bytes(c, h, hv, 2)[1]
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", False)
+    assert not mosaic_attn.dq_computes_delta(c, h, hv, 2)
+    monkeypatch.undo()
+
+
 def test_mosaic_heuristics_fit_shared_memory():
   for h, hv in [(64, 64), (128, 128), (256, 256), (128, 64), (256, 128)]:
     c = mosaic_attn.heuristic_config(2048, 2048, h, hv, 2)
@@ -1336,6 +1373,21 @@ class TestMosaicGpu(AttentionTestBase):
     GPU: fused (64) and separate (128) dk/dv products, GQA with bias."""
     monkeypatch.setattr(mosaic_attn, "EXP_UNDER_DP", ("dkdv", "dq"))
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2)
+    causal = feature != "plain"
+    case = Case(batch=(2,), t=2048, s=2048, n=8, kh=2 if feature == "gqa_bias" else 8,
+                h=h, q_lens=not causal, kv_lens=not causal,
+                kwargs=(("is_causal", causal),))
+    if feature == "gqa_bias":
+      case = dataclasses.replace(case, t=1000, s=1100, bias=("full",))
+    self.check(case, BF16)
+
+  @pytest.mark.parametrize("dq_delta", [True, False])
+  @pytest.mark.parametrize("feature, h", [("plain", 64), ("causal", 64),
+                                          ("gqa_bias", 128), ("causal", 128)])
+  def test_dq_delta_real_size(self, monkeypatch, dq_delta, feature, h):
+    """D computed by the dq kernel (DQ_DELTA, default) and by XLA on the GPU
+    at the heuristic configs (persistent dq kernel where not causal)."""
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta)
     causal = feature != "plain"
     case = Case(batch=(2,), t=2048, s=2048, n=8, kh=2 if feature == "gqa_bias" else 8,
                 h=h, q_lens=not causal, kv_lens=not causal,

@@ -222,6 +222,19 @@ PERSISTENT_CTAS = triton.SMS
 # at B64 T1024 N16 H64 causal; dq 2.9-3.7 % slower at the seed shape
 # (0.5-1.3 % faster at T1024), so the forward only.
 SHIFT_CAUSAL_TILES = ("fwd",)
+# The dq kernel (which runs first) computes D = rowsum(dO * O) for its query
+# rows from an O tile it loads beside dO (one f32 row sum per tile, at the
+# tile's start) and writes D out with dq for the dk/dv kernel. Without it
+# (or where the O tiles do not fit shared memory: head dims 256) XLA computes
+# D in a kernel of its own, reading dO and O once more: 0.093 ms at the seed
+# shape and at B8 T4096 N16 H128. H100, 2026-12-06, per-kernel A/B: the dq
+# kernel is 0.06 ms (8 %) slower at the seed shape causal (one tile per CTA:
+# the O tiles' bytes land before the first step), 0.03-0.05 ms (3 %) non-
+# causal and 0.06-0.08 at H128 (persistent: O is loaded a tile ahead), so
+# forward+backward gains 0.02-0.04 ms (1 %) at the seed shape causal (6 of 6
+# rounds), about 0.04 non-causal and 0.01-0.03 at H128 by the kernels' sums
+# (docs/benchmarks.md 2026-12-06 09:47).
+DQ_DELTA = True
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -1048,8 +1061,10 @@ def dkdv_passes(config: MosaicAttentionVjpConfig, hp: int, hvp: int):
 
 
 def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
-                   itemsize: int, interpret: bool = False) -> tuple[int, int]:
-  """Shared memory of the (dk/dv, dq) kernels (each buffer 1 KiB aligned)."""
+                   itemsize: int, interpret: bool = False,
+                   dq_delta: bool = False) -> tuple[int, int]:
+  """Shared memory of the (dk/dv, dq) kernels (each buffer 1 KiB aligned);
+  `dq_delta`: the dq kernel with its O tiles (`DQ_DELTA`)."""
   r = lambda *xs: sum(_round_up(x, 1024) for x in xs if x) + 2560
   bk, bq, st = config.block_kv, config.block_q, config.num_stages
   kv_bufs = 2 if config.dkdv_persistent else 1
@@ -1062,8 +1077,18 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   dq = r(nc * bq * hp * itemsize, nc * bq * hvp * itemsize,
          nc * bq * 4, nc * bq * 4, st * bk * hp * itemsize,
          st * bk * hvp * itemsize, interpret and nc * bq * bk * itemsize,
-         config.dq_persistent and nc * bq * hp * itemsize)
+         config.dq_persistent and nc * bq * hp * itemsize,
+         dq_delta and nc * bq * hvp * itemsize)
   return dkdv, dq
+
+
+def dq_computes_delta(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
+                      itemsize: int, interpret: bool = False) -> bool:
+  """Whether the dq kernel computes D itself (`DQ_DELTA`): its O tiles fit
+  shared memory on top of `config`'s buffers (which do not count them, so
+  configs and their persistence are chosen as without)."""
+  _, dq = vjp_smem_bytes(config, hp, hvp, itemsize, interpret, dq_delta=True)
+  return DQ_DELTA and dq <= pallas_mosaic.SMEM_BYTES
 
 
 def _products(pairs, shape):
@@ -1382,17 +1407,21 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
   The consumers run unsynchronised (no turns): each waits for a block, uses
   it and frees it. ctas > 0: persistent, as the forward (`_fwd_kernel`):
   the ring runs on across tiles, a consumer prefetches its next Q, dO, lse
-  and D once its last step's products have run, dq leaves through its own
-  buffer."""
+  and D (or O) once its last step's products have run, dq leaves through
+  its own buffer. With `o_smem` (`DQ_DELTA`) the sixth input is O [B, T, N,
+  Hv], not D: a consumer computes D = rowsum(dO * O) of its rows and writes
+  it to the third output (f32 [B, N, T rounded up to whole tiles]) for the
+  dk/dv kernel."""
   it = iter(refs)
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+  q_ref, k_ref, v_ref, do_ref, lse_ref, rows_ref = (next(it) for _ in range(6))
   bias_ref = next(it) if sp.bias_dims is not None else None
   mask_ref = next(it) if sp.mask_dims is not None else None
   q_len_ref = next(it) if sp.has_q_len else None
   kv_len_ref = next(it) if sp.has_kv_len else None
-  dq_ref, dbias_ref = next(it), next(it)  # dbias: f32 [B, N, T, S] or None
+  # dbias: f32 [B, N, T, S] or None; delta_out: D, f32 [B, N, T] or None
+  dq_ref, dbias_ref, delta_out_ref = next(it), next(it), next(it)
   (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, t_smem, dq_smem,
-   q_ready, ready, free) = it
+   o_smem, q_ready, ready, free) = it
   dtype = q_ref.dtype
   shift = _row_shift("dq", sp, q_ref.shape[1], bq, nc,
                      bias_ref is not None or mask_ref is not None)
@@ -1401,19 +1430,37 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
 
   q_t, do_t = q_smem.at[wg], do_smem.at[wg]
 
-  def load_rows(b, n, r0):
+  def load_rows(b, n, r0, q_part=True, o_part=True):
+    """The WG's Q, dO, lse (and D) rows, and/or its O rows, all arriving on
+    q_ready (4 copies per phase, whichever part goes first)."""
     rows, stats = (b, pl.ds(r0, bq), n), (b, n, pl.ds(r0, bq))
 
     def load():
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_t, q_ready.at[wg])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_t, q_ready.at[wg])
-      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], q_ready.at[wg])
-      plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], q_ready.at[wg])
+      if q_part:
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_t, q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_t, q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], q_ready.at[wg])
+        if o_smem is None:
+          plgpu.copy_gmem_to_smem(rows_ref.at[stats], delta_smem.at[wg], q_ready.at[wg])
+      if o_part and o_smem is not None:
+        plgpu.copy_gmem_to_smem(rows_ref.at[rows], o_smem.at[wg], q_ready.at[wg])
 
     _when(_live(r0, shift), load)
 
-  # Persistent: tile i + 1's rows go out once this WG's last products have run.
-  load_first, prefetch_rows = _tile_rows(query_tile, count, wg, bq, load_rows)
+  # Persistent: tile i + 1's Q, dO, lse (D) go out once this WG's last
+  # products have run; its O as soon as tile i's D is computed, so that it
+  # lands under a whole tile (loaded with the rows, O made the persistent dq
+  # kernel 3.3-6.6 % slower at H128, a tile ahead 2.4-3.5 %; H100 2026-12-06).
+  early_o = bool(ctas) and o_smem is not None
+  first_rows, prefetch_rows = _tile_rows(
+      query_tile, count, wg, bq, functools.partial(load_rows, o_part=not early_o))
+  first_o, prefetch_o = _tile_rows(
+      query_tile, count, wg, bq, functools.partial(load_rows, q_part=False))
+
+  def load_first():
+    first_rows()
+    if early_o:
+      first_o()
 
   def consumer_tile(i, k0):
     b, n, _, kh, q_lim, kv_lim, cta0, lo, hi = query_tile(i)
@@ -1432,7 +1479,16 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
     _when(live, lambda: plgpu.barrier_wait(q_ready.at[wg]))
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse_rows = plgpu.load(lse_smem.at[wg], layout=row_layout)
-    delta_rows = plgpu.load(delta_smem.at[wg], layout=row_layout)
+    if o_smem is None:
+      delta_rows = plgpu.load(delta_smem.at[wg], layout=row_layout)
+    else:  # D = rowsum(dO * O) (FlashAttention-2 Alg. 2, line 4); out with dq
+      wgmma = plgpu.Layout.WGMMA
+      do_o = (plgpu.load(do_t, layout=wgmma).astype(jnp.float32)
+              * plgpu.load(o_smem.at[wg], layout=wgmma).astype(jnp.float32))
+      delta_rows = jnp.sum(do_o, axis=1)
+      if early_o:  # every thread has read O's buffer (the barrier in commit)
+        plgpu.commit_smem()
+        prefetch_o(i)
     lse2 = lax.broadcast_in_dim(lse_rows, (bq, bk), [0])
     delta = lax.broadcast_in_dim(delta_rows, (bq, bk), [0])
 
@@ -1512,12 +1568,20 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
     # Rows >= q_lim (lse = +inf there) get 0.
     qrows = r0 + plgpu.broadcasted_iota(
         jnp.int32, dq.shape, 0, layout=plgpu.Layout.WGMMA)
-    if ctas:  # the previous tile's store has read dq's buffer
+    if ctas:  # the previous tile's stores have read dq's (and D's) buffer
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     out_t = dq_smem.at[wg] if ctas else q_t
     out_t[...] = jnp.where(qrows < q_lim, dq * sp.scale, 0.0).astype(dtype)
+    if o_smem is not None:
+      delta_smem.at[wg][...] = delta_rows
     plgpu.commit_smem()
-    _when(live, lambda: plgpu.copy_smem_to_gmem(out_t, dq_ref.at[rows]))
+
+    def store():
+      plgpu.copy_smem_to_gmem(out_t, dq_ref.at[rows])
+      if o_smem is not None:
+        plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_out_ref.at[b, n, pl.ds(r0, bq)])
+
+    _when(live, store)
     if not ctas:
       plgpu.wait_smem_to_gmem(0)
       return None
@@ -1549,10 +1613,11 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   hp, hvp = _round_up(h, 64), _round_up(hv, 64)
   dtype = q.dtype
   interpret = pallas_mosaic.INTERPRET.value
-  # D = rowsum(do * o) and lse in base 2, f32 [B, N, T]; rows past the query
-  # length get lse = +inf, so p = 0 there in every block.
-  delta = jnp.swapaxes(
-      jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
+  itemsize = jnp.dtype(dtype).itemsize
+  dq_delta = dq_computes_delta(config, hp, hvp, itemsize, interpret)
+  # lse in base 2, f32 [B, N, T]; rows past the query length get lse = +inf,
+  # so p = 0 there in every block. D = rowsum(do * o), f32 [B, N, T], by the
+  # dq kernel (`DQ_DELTA`) or here.
   lse2 = residuals["lse"].astype(jnp.float32) * LOG2E
   q_len, kv_len = args["query_seq_lengths"], args["key_value_seq_lengths"]
   if q_len is not None:
@@ -1565,7 +1630,12 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   do = _pad(_pad(dout.astype(dtype), 3, hvp), 1, tq)
   k = _pad(_pad(k, 3, hp), 1, tk)
   v = _pad(_pad(v, 3, hvp), 1, tk)
-  lse2, delta = _pad(lse2, 2, tq), _pad(delta, 2, tq)
+  lse2 = _pad(lse2, 2, tq)
+  if dq_delta:
+    rows_in = _pad(_pad(out.astype(dtype), 3, hvp), 1, tq)
+  else:
+    rows_in = _pad(jnp.swapaxes(jnp.sum(
+        dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2), 2, tq)
   lengths = [x.astype(jnp.int32) for x in (q_len, kv_len) if x is not None]
   # Bias/mask tiles: the dq kernel reads [rows, keys] up to its last CTA's
   # rows and last key block, the dk/dv kernel [keys, rows] (transposed).
@@ -1576,16 +1646,60 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   tiles = [_ts_operand(args[name], t, s, rows, cols)
            for name in ("bias", "mask") if args[name] is not None]
   dkdv_tiles = [jnp.swapaxes(x, 2, 3) for x in tiles]
-  inputs = (q, k, v, do, lse2, delta, *tiles, *lengths)
+  inputs = (q, k, v, do, lse2, rows_in, *tiles, *lengths)
   common = dict(thread_name="wg",
                 compiler_params=pallas_mosaic.compiler_params(approx_math=True),
                 interpret=pallas_mosaic.interpret_params())
+  grads = {}
+
+  bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
+  nq = pl.cdiv(tq, dq_nc * bq)
+  dq_ctas = _persistent_ctas(bsz * n * nq, config.dq_persistent)
+  dq, dbias, delta = plgpu.kernel(
+      functools.partial(_dq_kernel, sp=sp, bq=bq, bk=bk, stages=st, nc=dq_nc,
+                        ctas=dq_ctas, interpret=interpret),
+      out_type=[
+          jax.ShapeDtypeStruct((bsz, tq, n, hp), dtype),
+          jax.ShapeDtypeStruct((bsz, n, nq * dq_nc * bq, _round_up(s, bk)),
+                               jnp.float32)
+          if sp.bias_dims is not None and want_dbias else None,
+          # Whole tiles of rows: a TMA store of a contiguous row slice is a
+          # plain bulk copy, clipped only at the buffer's end, so a partial
+          # last tile would write into the next head's rows.
+          jax.ShapeDtypeStruct((bsz, n, nq * dq_nc * bq), jnp.float32)
+          if dq_delta else None,
+      ],
+      scratch_types=[
+          plgpu.SMEM((dq_nc, bq, hp), dtype),
+          plgpu.SMEM((dq_nc, bq, hvp), dtype),
+          plgpu.SMEM((dq_nc, bq), jnp.float32),
+          plgpu.SMEM((dq_nc, bq), jnp.float32),
+          plgpu.SMEM((st, bk, hp), dtype),
+          plgpu.SMEM((st, bk, hvp), dtype),
+          plgpu.SMEM((dq_nc, bq, bk), dtype) if interpret else None,
+          plgpu.SMEM((dq_nc, bq, hp), dtype) if dq_ctas else None,  # dq out
+          plgpu.SMEM((dq_nc, bq, hvp), dtype) if dq_delta else None,  # O
+          plgpu.Barrier(num_arrivals=4, num_barriers=dq_nc),  # q_ready
+          plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
+          plgpu.Barrier(num_arrivals=dq_nc, num_barriers=st),  # free
+      ],
+      **_cta_grid(bsz, n, nq, dq_ctas),
+      num_threads=dq_nc + 1,
+      kernel_name="tokamax_attention_bwd_dq_mosaic",
+      **common,
+  )(*inputs)
+  grads["query"] = dq[:, :t, :, :h]
+  if dbias is not None:  # summed over the bias's broadcast dims
+    axes = tuple(a for a, full in enumerate(sp.bias_dims) if not full)
+    dbias = jnp.sum(dbias[:, :, :t, :s], axis=axes, keepdims=True)
+    grads["bias"] = dbias.astype(args["bias"].dtype)
+  if delta is None:
+    delta = rows_in
 
   bk, bq, st = config.block_kv, config.block_q, config.num_stages
   nk = pl.cdiv(tk, _CONSUMERS * bk)
   dkdv_ctas = _persistent_ctas(bsz * kv_heads * nk, config.dkdv_persistent)
   kv_bufs = 2 if dkdv_ctas else 1
-  grads = {}
   for want_dk, want_dv in dkdv_passes(config, hp, hvp):
     dk, dv = plgpu.kernel(
         functools.partial(_dkdv_kernel, sp=sp, bk=bk, bq=bq, stages=st,
@@ -1617,42 +1731,6 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
       grads["key"] = dk[:, :s, :, :h]
     if want_dv:
       grads["value"] = dv[:, :s, :, :hv]
-
-  bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
-  nq = pl.cdiv(tq, dq_nc * bq)
-  dq_ctas = _persistent_ctas(bsz * n * nq, config.dq_persistent)
-  dq, dbias = plgpu.kernel(
-      functools.partial(_dq_kernel, sp=sp, bq=bq, bk=bk, stages=st, nc=dq_nc,
-                        ctas=dq_ctas, interpret=interpret),
-      out_type=[
-          jax.ShapeDtypeStruct((bsz, tq, n, hp), dtype),
-          jax.ShapeDtypeStruct((bsz, n, nq * dq_nc * bq, _round_up(s, bk)),
-                               jnp.float32)
-          if sp.bias_dims is not None and want_dbias else None,
-      ],
-      scratch_types=[
-          plgpu.SMEM((dq_nc, bq, hp), dtype),
-          plgpu.SMEM((dq_nc, bq, hvp), dtype),
-          plgpu.SMEM((dq_nc, bq), jnp.float32),
-          plgpu.SMEM((dq_nc, bq), jnp.float32),
-          plgpu.SMEM((st, bk, hp), dtype),
-          plgpu.SMEM((st, bk, hvp), dtype),
-          plgpu.SMEM((dq_nc, bq, bk), dtype) if interpret else None,
-          plgpu.SMEM((dq_nc, bq, hp), dtype) if dq_ctas else None,  # dq out
-          plgpu.Barrier(num_arrivals=4, num_barriers=dq_nc),  # q_ready
-          plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
-          plgpu.Barrier(num_arrivals=dq_nc, num_barriers=st),  # free
-      ],
-      **_cta_grid(bsz, n, nq, dq_ctas),
-      num_threads=dq_nc + 1,
-      kernel_name="tokamax_attention_bwd_dq_mosaic",
-      **common,
-  )(*inputs)
-  grads["query"] = dq[:, :t, :, :h]
-  if dbias is not None:  # summed over the bias's broadcast dims
-    axes = tuple(a for a, full in enumerate(sp.bias_dims) if not full)
-    dbias = jnp.sum(dbias[:, :, :t, :s], axis=axes, keepdims=True)
-    grads["bias"] = dbias.astype(args["bias"].dtype)
   # Inside shard_map the kernels' outputs carry no mesh axes: declare that
   # each gradient varies like its primal (a custom VJP must match types).
   union = frozenset().union(*(op_lib.varying(x) for x in inputs))
