@@ -1030,12 +1030,12 @@ def test_mosaic_lowers_for_cuda(name):
 
 
 
-def _h64_feature_case(feature: str) -> Case:
-  """A real-size head-dim-64 case: "plain" (with lengths), "causal",
+def _real_size_case(feature: str, h: int = 64) -> Case:
+  """A real-size case of head dim h: "plain" (with lengths), "causal",
   "gqa_bias" (T != S, 4 query heads per kv head, full bias) or
   "window_mask" (T > S, two-sided window, full mask)."""
   causal = feature == "causal"
-  case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=64, q_lens=not causal,
+  case = Case(batch=(2,), t=2048, s=2048, n=8, kh=8, h=h, q_lens=not causal,
               kv_lens=not causal, kwargs=(("is_causal", causal),))
   if feature == "gqa_bias":
     case = dataclasses.replace(case, t=1000, s=1100, kh=2, bias=("full",))
@@ -1388,13 +1388,7 @@ class TestMosaicGpu(AttentionTestBase):
     """D computed by the dq kernel (DQ_DELTA, default) and by XLA on the GPU
     at the heuristic configs (persistent dq kernel where not causal)."""
     monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta)
-    causal = feature != "plain"
-    case = Case(batch=(2,), t=2048, s=2048, n=8, kh=2 if feature == "gqa_bias" else 8,
-                h=h, q_lens=not causal, kv_lens=not causal,
-                kwargs=(("is_causal", causal),))
-    if feature == "gqa_bias":
-      case = dataclasses.replace(case, t=1000, s=1100, bias=("full",))
-    self.check(case, BF16)
+    self.check(_real_size_case(feature, h), BF16)
 
   @pytest.mark.parametrize("persistent", [False, True])
   @pytest.mark.parametrize("feature", ["plain", "causal", "gqa_bias", "window_mask"])
@@ -1404,7 +1398,7 @@ class TestMosaicGpu(AttentionTestBase):
     monkeypatch.setattr(mosaic_attn, "DKDV_KV_REGS_MAX_WIDTH", 128)
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          vjp=dict(dkdv_persistent=persistent))
-    self.check(_h64_feature_case(feature), BF16)
+    self.check(_real_size_case(feature), BF16)
 
   @pytest.mark.parametrize("consumers", [2, 3])
   @pytest.mark.parametrize("feature", ["plain", "causal", "gqa_bias", "window_mask"])
@@ -1416,7 +1410,7 @@ class TestMosaicGpu(AttentionTestBase):
       consumers = 2  # three consumers take no bias/mask tiles
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          consumers=consumers, persistent=True)
-    self.check(_h64_feature_case(feature), BF16)
+    self.check(_real_size_case(feature), BF16)
 
   @pytest.mark.parametrize("config", sorted(
       mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))
