@@ -202,6 +202,18 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout ${AB_S:-240} python3 benchmarks/attention_variance.py "$OUT/dq_delta" \
          ${ROUNDS:-3} "${SHAPES:-seed B32,seed causal,H128 causal,B8 T4096}" DQ_DELTA \
          False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -20 ;;
+    # 24 (2026-12-06 13:20): D computed under the dq kernel's first
+    # products, O on a barrier of its own (DQ_DELTA_UNDER_PRODUCTS): the D
+    # tests of the three paths and the causal partial tiles, then per-kernel
+    # A/B against D at the tile's start.
+    24) JOBS=${JOBS:-2} pt ${TEST_S:-200} tests/test_attention.py \
+         -k "TestMosaicGpu and (dq_delta_real_size or shape3-True or shape5-True)" \
+         | tee "$OUT/pending_24_tests.log"
+       mkdir -p "$OUT/dq_delta_steps"
+       PAUSE_S=1 timeout ${AB_S:-240} python3 benchmarks/attention_variance.py \
+         "$OUT/dq_delta_steps" ${ROUNDS:-3} \
+         "${SHAPES:-seed causal,H128 causal,seed B32,B8 T4096}" DQ_DELTA_UNDER_PRODUCTS \
+         False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -20 ;;
     # 22 (2026-12-06 08:30; ran on an H100 on 2026-12-06 08:20, forward
     # shipped): causal query tiles starting before row 0
     # (SHIFT_CAUSAL_TILES) on the H200: the causal GPU tests with partial

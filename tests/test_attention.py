@@ -861,7 +861,7 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     t = 1000 if feature == "causal" and consumers == 3 else 300
     self.check(dataclasses.replace(c, t=t, s=t if c.s == c.t else 260), BF16, feature)
 
-  @pytest.mark.parametrize("dq_delta", [True, False])
+  @pytest.mark.parametrize("dq_delta", ["steps", "tile_start", "xla"])
   @pytest.mark.parametrize("feature, consumers, persistent, shift", [
       ("causal", 3, True, True), ("q_lens", 2, True, False),
       ("combined", 2, False, False), ("t_ne_s_causal", 3, False, True),
@@ -869,10 +869,13 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
   def test_dq_delta(self, monkeypatch, dq_delta, feature, consumers, persistent,
                     shift):
     """D = rowsum(dO * O) computed by the dq kernel and passed to the dk/dv
-    kernel (DQ_DELTA, default), and by XLA: persistent tiles (3 CTAs, D's
-    store of one tile in flight under the next), WGs of rows < 0 (shifted
-    dq tiles) storing no D, rows past the query length, bias and mask."""
-    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta)
+    kernel (DQ_DELTA, default) under the first step's products
+    (DQ_DELTA_UNDER_PRODUCTS, default) or at the tile's start, and by XLA:
+    persistent tiles (3 CTAs, D's store of one tile in flight under the
+    next), WGs of rows < 0 (shifted dq tiles) storing no D, rows past the
+    query length (D = 0 where no step runs), bias and mask."""
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta != "xla")
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA_UNDER_PRODUCTS", dq_delta == "steps")
     monkeypatch.setattr(mosaic_attn, "SHIFT_CAUSAL_TILES", ("fwd", "dq") if shift else ())
     monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
     self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2,
@@ -1381,13 +1384,15 @@ class TestMosaicGpu(AttentionTestBase):
       case = dataclasses.replace(case, t=1000, s=1100, bias=("full",))
     self.check(case, BF16)
 
-  @pytest.mark.parametrize("dq_delta", [True, False])
+  @pytest.mark.parametrize("dq_delta", ["steps", "tile_start", "xla"])
   @pytest.mark.parametrize("feature, h", [("plain", 64), ("causal", 64),
                                           ("gqa_bias", 128), ("causal", 128)])
   def test_dq_delta_real_size(self, monkeypatch, dq_delta, feature, h):
-    """D computed by the dq kernel (DQ_DELTA, default) and by XLA on the GPU
-    at the heuristic configs (persistent dq kernel where not causal)."""
-    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta)
+    """D computed by the dq kernel (DQ_DELTA, default; under the first step's
+    products or at the tile's start) and by XLA on the GPU at the heuristic
+    configs (persistent dq kernel where not causal)."""
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta != "xla")
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA_UNDER_PRODUCTS", dq_delta == "steps")
     self.check(_real_size_case(feature, h), BF16)
 
   @pytest.mark.parametrize("persistent", [False, True])
