@@ -1079,6 +1079,27 @@ def test_mosaic_dkdv_kv_regs_lowers_for_cuda(monkeypatch, causal, persistent, wi
   assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
 
 
+@pytest.mark.parametrize("case", ["seed_B32_T2048_N16_H64", "B8_T4096_N16_H128_causal",
+                                  "gqa_H128_causal"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_dq_delta_under_products_lowers_for_cuda(monkeypatch, case, causal):
+  """The dq kernel computing D under its first step's products
+  (DQ_DELTA_UNDER_PRODUCTS: O on a barrier of its own, two D slots) lowers
+  for an H200 at the heuristic configs (persistent dq where not causal)."""
+  (b, t, s, n, kh, h, hv), dtype, _ = LOWER_CASES[case]
+  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
+  loss = lambda q, k, v: jnp.sum(tokamax.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="mosaic").astype(F32))
+  texts = []
+  for on in (False, True):
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA_UNDER_PRODUCTS", on)
+    with tokamax.config.cross_compile("NVIDIA H200"):
+      texts.append(_lower_text(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv))
+  assert texts[1].count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
+  assert texts[0] != texts[1]  # the switch changes the dq kernel
+
+
 @pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_fwd_q_regs_lowers_for_cuda(monkeypatch, causal, consumers):

@@ -235,11 +235,14 @@ SHIFT_CAUSAL_TILES = ("fwd",)
 # rounds), about 0.04 non-causal and 0.01-0.03 at H128 by the kernels' sums
 # (docs/benchmarks.md 2026-12-06 09:47).
 DQ_DELTA = True
-# With DQ_DELTA, each tile's O waits on a barrier of its own and D is
-# computed under the first step's q k^T and do v^T products instead of
-# before them (the one-tile-per-CTA causal dq kernel otherwise waits for O's
-# bytes and the row sums before its first product).
-DQ_DELTA_UNDER_PRODUCTS = True
+# With DQ_DELTA: each tile's O on a barrier of its own, and D computed under
+# the first step's q k^T and do v^T products instead of before them (the
+# one-tile-per-CTA causal dq kernel waits for O's bytes and the row sums
+# before its first product; that is most of its 0.06 ms above). Off until
+# timed on a GPU (2026-12-06 13:00: CPU only, no GPU came; off, the kernel is
+# the GPU-tested one, jaxprs identical; `STEP=24 scripts/gpu_check.sh
+# pending` has its GPU tests and A/B).
+DQ_DELTA_UNDER_PRODUCTS = False
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -1069,7 +1072,8 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
                    itemsize: int, interpret: bool = False,
                    dq_delta: bool = False) -> tuple[int, int]:
   """Shared memory of the (dk/dv, dq) kernels (each buffer 1 KiB aligned);
-  `dq_delta`: the dq kernel with its O tiles (`DQ_DELTA`)."""
+  `dq_delta`: the dq kernel with its O tiles (`DQ_DELTA`, and two D slots
+  with `DQ_DELTA_UNDER_PRODUCTS`)."""
   r = lambda *xs: sum(_round_up(x, 1024) for x in xs if x) + 2560
   bk, bq, st = config.block_kv, config.block_q, config.num_stages
   kv_bufs = 2 if config.dkdv_persistent else 1
@@ -1080,7 +1084,8 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
   nc = config.dq_consumers
   dq = r(nc * bq * hp * itemsize, nc * bq * hvp * itemsize,
-         nc * bq * 4, (2 if dq_delta else 1) * nc * bq * 4, st * bk * hp * itemsize,
+         nc * bq * 4, (2 if dq_delta and DQ_DELTA_UNDER_PRODUCTS else 1) * nc * bq * 4,
+         st * bk * hp * itemsize,
          st * bk * hvp * itemsize, interpret and nc * bq * bk * itemsize,
          config.dq_persistent and nc * bq * hp * itemsize,
          dq_delta and nc * bq * hvp * itemsize)
@@ -1440,7 +1445,7 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
 
   def load_rows(b, n, r0, q_part=True, o_part=True):
     """The WG's Q, dO, lse (and D) rows on q_ready, and/or its O rows on
-    o_ready."""
+    o_ready (on q_ready without it)."""
     rows, stats = (b, pl.ds(r0, bq), n), (b, n, pl.ds(r0, bq))
 
     def load():
@@ -1451,7 +1456,8 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
         if o_smem is None:
           plgpu.copy_gmem_to_smem(rows_ref.at[stats], delta_smem.at[wg], q_ready.at[wg])
       if o_part and o_smem is not None:
-        plgpu.copy_gmem_to_smem(rows_ref.at[rows], o_smem.at[wg], o_ready.at[wg])
+        plgpu.copy_gmem_to_smem(rows_ref.at[rows], o_smem.at[wg],
+                                (q_ready if o_ready is None else o_ready).at[wg])
 
     _when(_live(r0, shift), load)
 
@@ -1492,7 +1498,8 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
       """D = rowsum(dO * O) of the WG's rows (FlashAttention-2 Alg. 2, line
       4) once O has landed; zeros: D = 0, for rows that see no key (their O
       is 0; dO may already hold the next tile's rows)."""
-      _when(live, lambda: plgpu.barrier_wait(o_ready.at[wg]))
+      if o_ready is not None:
+        _when(live, lambda: plgpu.barrier_wait(o_ready.at[wg]))
       if zeros:
         d = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
       else:
@@ -1506,13 +1513,15 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
       return d
 
     # D in the first step that computes ds, under its products
-    # (`DQ_DELTA_UNDER_PRODUCTS`): through delta_smem[wg, 0], read each step.
-    d_in_steps = o_smem is not None and DQ_DELTA_UNDER_PRODUCTS
-    no_step = jnp.int32(2**30)
-    first_j = no_step  # the first step that is not a skip
-    for start, stop, mode in segments:
-      if mode != "skip":
-        first_j = jnp.minimum(first_j, jnp.where(start < stop, start, no_step))
+    # (`DQ_DELTA_UNDER_PRODUCTS`, O on o_ready): through delta_smem[wg, 0],
+    # read each step; else at the tile's start.
+    d_in_steps = o_ready is not None
+    if d_in_steps:
+      no_step = jnp.int32(2**30)
+      first_j = no_step  # the first step that is not a skip
+      for start, stop, mode in segments:
+        if mode != "skip":
+          first_j = jnp.minimum(first_j, jnp.where(start < stop, start, no_step))
 
     def put_delta(zeros=False):
       delta_smem.at[wg, 0][...] = compute_delta(zeros)
@@ -1523,6 +1532,8 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
     elif not d_in_steps:
       delta_rows = compute_delta()
     lse2 = lax.broadcast_in_dim(lse_rows, (bq, bk), [0])
+    if not d_in_steps:
+      delta = lax.broadcast_in_dim(delta_rows, (bq, bk), [0])
 
     def dbias_tile(j):  # d bias = ds (the logits' gradient), 0 where unseen
       return dbias_ref.at[b, n, pl.ds(r0, bq), pl.ds(j * bk, bk)]
@@ -1552,6 +1563,10 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
           k_t, v_t = k_smem.at[slot, pl.ds(0, w)], v_smem.at[slot, pl.ds(0, w)]
           t_tile = t_smem.at[wg, :, pl.ds(0, w)] if interpret else None
           lse_b = lax.broadcast_in_dim(lse_rows, (bq, w), [0])
+          if not d_in_steps:
+            delta_b = lax.broadcast_in_dim(delta_rows, (bq, w), [0])
+        elif not d_in_steps:
+          delta_b = delta
         shape = lse_b.shape
         under = None
         if d_in_steps:
@@ -1573,9 +1588,10 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
           qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], shape, under)
           last_products_done(j)
           p, tanh = probabilities(qk)
-        d_rows = (plgpu.load(delta_smem.at[wg, 0], layout=row_layout)
-                  if d_in_steps else delta_rows)
-        ds = p * (dp - lax.broadcast_in_dim(d_rows, shape, [0]))
+        if d_in_steps:
+          delta_b = lax.broadcast_in_dim(
+              plgpu.load(delta_smem.at[wg, 0], layout=row_layout), shape, [0])
+        ds = p * (dp - delta_b)
         if tanh is not None:
           ds = ds * (1.0 - tanh * tanh)
         if dbias_ref is not None:
@@ -1611,15 +1627,16 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     out_t = dq_smem.at[wg] if ctas else q_t
     out_t[...] = jnp.where(qrows < q_lim, dq * sp.scale, 0.0).astype(dtype)
-    if o_smem is not None:  # (slot 1: slot 0 is the next tile's, persistent)
-      delta_smem.at[wg, 1][...] = delta_rows
+    # (In steps: slot 1, as slot 0 may be the next persistent tile's.)
+    delta_out_t = delta_smem.at[wg, 1] if d_in_steps else delta_smem.at[wg]
+    if o_smem is not None:
+      delta_out_t[...] = delta_rows
     plgpu.commit_smem()
 
     def store():
       plgpu.copy_smem_to_gmem(out_t, dq_ref.at[rows])
       if o_smem is not None:
-        plgpu.copy_smem_to_gmem(delta_smem.at[wg, 1],
-                                delta_out_ref.at[b, n, pl.ds(r0, bq)])
+        plgpu.copy_smem_to_gmem(delta_out_t, delta_out_ref.at[b, n, pl.ds(r0, bq)])
 
     _when(live, store)
     if not ctas:
@@ -1655,6 +1672,7 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   interpret = pallas_mosaic.INTERPRET.value
   itemsize = jnp.dtype(dtype).itemsize
   dq_delta = dq_computes_delta(config, hp, hvp, itemsize, interpret)
+  delta_in_steps = dq_delta and DQ_DELTA_UNDER_PRODUCTS
   # lse in base 2, f32 [B, N, T]; rows past the query length get lse = +inf,
   # so p = 0 there in every block. D = rowsum(do * o), f32 [B, N, T], by the
   # dq kernel (`DQ_DELTA`) or here.
@@ -1713,17 +1731,17 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
           plgpu.SMEM((dq_nc, bq, hp), dtype),
           plgpu.SMEM((dq_nc, bq, hvp), dtype),
           plgpu.SMEM((dq_nc, bq), jnp.float32),
-          # D: loaded (XLA's), or computed (`DQ_DELTA`; read by the steps,
-          # stored from slot 1)
-          plgpu.SMEM((dq_nc, 2, bq) if dq_delta else (dq_nc, bq), jnp.float32),
+          # D: XLA's, or the kernel's (with `DQ_DELTA_UNDER_PRODUCTS` read
+          # by the steps from slot 0, stored from slot 1)
+          plgpu.SMEM((dq_nc, 2, bq) if delta_in_steps else (dq_nc, bq), jnp.float32),
           plgpu.SMEM((st, bk, hp), dtype),
           plgpu.SMEM((st, bk, hvp), dtype),
           plgpu.SMEM((dq_nc, bq, bk), dtype) if interpret else None,
           plgpu.SMEM((dq_nc, bq, hp), dtype) if dq_ctas else None,  # dq out
           plgpu.SMEM((dq_nc, bq, hvp), dtype) if dq_delta else None,  # O
-          # q_ready: Q, dO, lse (and D); o_ready: O
-          plgpu.Barrier(num_arrivals=3 if dq_delta else 4, num_barriers=dq_nc),
-          plgpu.Barrier(num_arrivals=1, num_barriers=dq_nc) if dq_delta else None,
+          # q_ready: Q, dO, lse and D or O (or O on o_ready)
+          plgpu.Barrier(num_arrivals=3 if delta_in_steps else 4, num_barriers=dq_nc),
+          plgpu.Barrier(num_arrivals=1, num_barriers=dq_nc) if delta_in_steps else None,
           plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
           plgpu.Barrier(num_arrivals=dq_nc, num_barriers=st),  # free
       ],
