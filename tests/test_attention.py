@@ -861,7 +861,7 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     t = 1000 if feature == "causal" and consumers == 3 else 300
     self.check(dataclasses.replace(c, t=t, s=t if c.s == c.t else 260), BF16, feature)
 
-  @pytest.mark.parametrize("dq_delta", ["steps", "tile_start", "xla"])
+  @pytest.mark.parametrize("dq_delta", [True, False])
   @pytest.mark.parametrize("feature, consumers, persistent, shift", [
       ("causal", 3, True, True), ("q_lens", 2, True, False),
       ("combined", 2, False, False), ("t_ne_s_causal", 3, False, True),
@@ -869,13 +869,10 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
   def test_dq_delta(self, monkeypatch, dq_delta, feature, consumers, persistent,
                     shift):
     """D = rowsum(dO * O) computed by the dq kernel and passed to the dk/dv
-    kernel (DQ_DELTA, default) under the first step's products
-    (DQ_DELTA_UNDER_PRODUCTS, default) or at the tile's start, and by XLA:
-    persistent tiles (3 CTAs, D's store of one tile in flight under the
-    next), WGs of rows < 0 (shifted dq tiles) storing no D, rows past the
-    query length (D = 0 where no step runs), bias and mask."""
-    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta != "xla")
-    monkeypatch.setattr(mosaic_attn, "DQ_DELTA_UNDER_PRODUCTS", dq_delta == "steps")
+    kernel (DQ_DELTA, default), and by XLA: persistent tiles (3 CTAs, D's
+    store of one tile in flight under the next), WGs of rows < 0 (shifted
+    dq tiles) storing no D, rows past the query length, bias and mask."""
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta)
     monkeypatch.setattr(mosaic_attn, "SHIFT_CAUSAL_TILES", ("fwd", "dq") if shift else ())
     monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
     self.op = _mosaic_op(block_q=64, block_kv=64, num_stages=2,
@@ -1077,27 +1074,6 @@ def test_mosaic_dkdv_kv_regs_lowers_for_cuda(monkeypatch, causal, persistent, wi
   with tokamax.config.cross_compile("NVIDIA H200"):
     text = _lower_text(jax.grad(loss), q)
   assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
-
-
-@pytest.mark.parametrize("case", ["seed_B32_T2048_N16_H64", "B8_T4096_N16_H128_causal",
-                                  "gqa_H128_causal"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_mosaic_dq_delta_under_products_lowers_for_cuda(monkeypatch, case, causal):
-  """The dq kernel computing D under its first step's products
-  (DQ_DELTA_UNDER_PRODUCTS: O on a barrier of its own, two D slots) lowers
-  for an H200 at the heuristic configs (persistent dq where not causal)."""
-  (b, t, s, n, kh, h, hv), dtype, _ = LOWER_CASES[case]
-  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
-  kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
-  loss = lambda q, k, v: jnp.sum(tokamax.dot_product_attention(
-      q, k, v, is_causal=causal, implementation="mosaic").astype(F32))
-  texts = []
-  for on in (False, True):
-    monkeypatch.setattr(mosaic_attn, "DQ_DELTA_UNDER_PRODUCTS", on)
-    with tokamax.config.cross_compile("NVIDIA H200"):
-      texts.append(_lower_text(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv))
-  assert texts[1].count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
-  assert texts[0] != texts[1]  # the switch changes the dq kernel
 
 
 @pytest.mark.parametrize("consumers", [2, 3])
@@ -1405,15 +1381,13 @@ class TestMosaicGpu(AttentionTestBase):
       case = dataclasses.replace(case, t=1000, s=1100, bias=("full",))
     self.check(case, BF16)
 
-  @pytest.mark.parametrize("dq_delta", ["steps", "tile_start", "xla"])
+  @pytest.mark.parametrize("dq_delta", [True, False])
   @pytest.mark.parametrize("feature, h", [("plain", 64), ("causal", 64),
                                           ("gqa_bias", 128), ("causal", 128)])
   def test_dq_delta_real_size(self, monkeypatch, dq_delta, feature, h):
-    """D computed by the dq kernel (DQ_DELTA, default; under the first step's
-    products or at the tile's start) and by XLA on the GPU at the heuristic
-    configs (persistent dq kernel where not causal)."""
-    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta != "xla")
-    monkeypatch.setattr(mosaic_attn, "DQ_DELTA_UNDER_PRODUCTS", dq_delta == "steps")
+    """D computed by the dq kernel (DQ_DELTA, default) and by XLA on the GPU
+    at the heuristic configs (persistent dq kernel where not causal)."""
+    monkeypatch.setattr(mosaic_attn, "DQ_DELTA", dq_delta)
     self.check(_real_size_case(feature, h), BF16)
 
   @pytest.mark.parametrize("persistent", [False, True])

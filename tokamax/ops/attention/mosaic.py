@@ -235,14 +235,6 @@ SHIFT_CAUSAL_TILES = ("fwd",)
 # rounds), about 0.04 non-causal and 0.01-0.03 at H128 by the kernels' sums
 # (docs/benchmarks.md 2026-12-06 09:47).
 DQ_DELTA = True
-# With DQ_DELTA: each tile's O on a barrier of its own, and D computed under
-# the first step's q k^T and do v^T products instead of before them (the
-# one-tile-per-CTA causal dq kernel waits for O's bytes and the row sums
-# before its first product; that is most of its 0.06 ms above). Off until
-# timed on a GPU (2026-12-06 13:00: CPU only, no GPU came; off, the kernel is
-# the GPU-tested one, jaxprs identical; `STEP=24 scripts/gpu_check.sh
-# pending` has its GPU tests and A/B).
-DQ_DELTA_UNDER_PRODUCTS = False
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -1072,8 +1064,7 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
                    itemsize: int, interpret: bool = False,
                    dq_delta: bool = False) -> tuple[int, int]:
   """Shared memory of the (dk/dv, dq) kernels (each buffer 1 KiB aligned);
-  `dq_delta`: the dq kernel with its O tiles (`DQ_DELTA`, and two D slots
-  with `DQ_DELTA_UNDER_PRODUCTS`)."""
+  `dq_delta`: the dq kernel with its O tiles (`DQ_DELTA`)."""
   r = lambda *xs: sum(_round_up(x, 1024) for x in xs if x) + 2560
   bk, bq, st = config.block_kv, config.block_q, config.num_stages
   kv_bufs = 2 if config.dkdv_persistent else 1
@@ -1084,8 +1075,7 @@ def vjp_smem_bytes(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   bq, bk, st = config.dq_block_q, config.dq_block_kv, config.dq_num_stages
   nc = config.dq_consumers
   dq = r(nc * bq * hp * itemsize, nc * bq * hvp * itemsize,
-         nc * bq * 4, (2 if dq_delta and DQ_DELTA_UNDER_PRODUCTS else 1) * nc * bq * 4,
-         st * bk * hp * itemsize,
+         nc * bq * 4, nc * bq * 4, st * bk * hp * itemsize,
          st * bk * hvp * itemsize, interpret and nc * bq * bk * itemsize,
          config.dq_persistent and nc * bq * hp * itemsize,
          dq_delta and nc * bq * hvp * itemsize)
@@ -1101,17 +1091,14 @@ def dq_computes_delta(config: MosaicAttentionVjpConfig, hp: int, hvp: int,
   return DQ_DELTA and dq <= pallas_mosaic.SMEM_BYTES
 
 
-def _products(pairs, shape, under=None):
+def _products(pairs, shape):
   """[a @ b for (a, b) in pairs] (b an SMEM ref, a an SMEM ref or 16-bit
   registers in the WGMMA layout) in fresh f32 accumulators, all issued
-  before the first is read (one wait); under() runs (for its effects) while
-  they do."""
+  before the first is read (one wait)."""
 
   def run(*acc_refs):
     for acc_ref, (a, b) in zip(acc_refs, pairs):
       plgpu.wgmma(acc_ref, a, b)
-    if under is not None:
-      under()
     return tuple(acc_ref[...] for acc_ref in acc_refs)
 
   return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32) for _ in pairs])
@@ -1434,7 +1421,7 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
   # dbias: f32 [B, N, T, S] or None; delta_out: D, f32 [B, N, T] or None
   dq_ref, dbias_ref, delta_out_ref = next(it), next(it), next(it)
   (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, t_smem, dq_smem,
-   o_smem, q_ready, o_ready, ready, free) = it
+   o_smem, q_ready, ready, free) = it
   dtype = q_ref.dtype
   shift = _row_shift("dq", sp, q_ref.shape[1], bq, nc,
                      bias_ref is not None or mask_ref is not None)
@@ -1444,8 +1431,8 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
   q_t, do_t = q_smem.at[wg], do_smem.at[wg]
 
   def load_rows(b, n, r0, q_part=True, o_part=True):
-    """The WG's Q, dO, lse (and D) rows on q_ready, and/or its O rows on
-    o_ready (on q_ready without it)."""
+    """The WG's Q, dO, lse (and D) rows, and/or its O rows, all arriving on
+    q_ready (4 copies per phase, whichever part goes first)."""
     rows, stats = (b, pl.ds(r0, bq), n), (b, n, pl.ds(r0, bq))
 
     def load():
@@ -1456,8 +1443,7 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
         if o_smem is None:
           plgpu.copy_gmem_to_smem(rows_ref.at[stats], delta_smem.at[wg], q_ready.at[wg])
       if o_part and o_smem is not None:
-        plgpu.copy_gmem_to_smem(rows_ref.at[rows], o_smem.at[wg],
-                                (q_ready if o_ready is None else o_ready).at[wg])
+        plgpu.copy_gmem_to_smem(rows_ref.at[rows], o_smem.at[wg], q_ready.at[wg])
 
     _when(_live(r0, shift), load)
 
@@ -1493,47 +1479,18 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
     _when(live, lambda: plgpu.barrier_wait(q_ready.at[wg]))
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse_rows = plgpu.load(lse_smem.at[wg], layout=row_layout)
-
-    def compute_delta(zeros=False):
-      """D = rowsum(dO * O) of the WG's rows (FlashAttention-2 Alg. 2, line
-      4) once O has landed; zeros: D = 0, for rows that see no key (their O
-      is 0; dO may already hold the next tile's rows)."""
-      if o_ready is not None:
-        _when(live, lambda: plgpu.barrier_wait(o_ready.at[wg]))
-      if zeros:
-        d = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-      else:
-        wgmma = plgpu.Layout.WGMMA
-        d = jnp.sum(plgpu.load(do_t, layout=wgmma).astype(jnp.float32)
-                    * plgpu.load(o_smem.at[wg], layout=wgmma).astype(jnp.float32),
-                    axis=1)
+    if o_smem is None:
+      delta_rows = plgpu.load(delta_smem.at[wg], layout=row_layout)
+    else:  # D = rowsum(dO * O) (FlashAttention-2 Alg. 2, line 4); out with dq
+      wgmma = plgpu.Layout.WGMMA
+      do_o = (plgpu.load(do_t, layout=wgmma).astype(jnp.float32)
+              * plgpu.load(o_smem.at[wg], layout=wgmma).astype(jnp.float32))
+      delta_rows = jnp.sum(do_o, axis=1)
       if early_o:  # every thread has read O's buffer (the barrier in commit)
         plgpu.commit_smem()
         prefetch_o(i)
-      return d
-
-    # D in the first step that computes ds, under its products
-    # (`DQ_DELTA_UNDER_PRODUCTS`, O on o_ready): through delta_smem[wg, 0],
-    # read each step; else at the tile's start.
-    d_in_steps = o_ready is not None
-    if d_in_steps:
-      no_step = jnp.int32(2**30)
-      first_j = no_step  # the first step that is not a skip
-      for start, stop, mode in segments:
-        if mode != "skip":
-          first_j = jnp.minimum(first_j, jnp.where(start < stop, start, no_step))
-
-    def put_delta(zeros=False):
-      delta_smem.at[wg, 0][...] = compute_delta(zeros)
-      plgpu.commit_smem()  # (a WG barrier: every thread reads every row's D)
-
-    if o_smem is None:
-      delta_rows = plgpu.load(delta_smem.at[wg], layout=row_layout)
-    elif not d_in_steps:
-      delta_rows = compute_delta()
     lse2 = lax.broadcast_in_dim(lse_rows, (bq, bk), [0])
-    if not d_in_steps:
-      delta = lax.broadcast_in_dim(delta_rows, (bq, bk), [0])
+    delta = lax.broadcast_in_dim(delta_rows, (bq, bk), [0])
 
     def dbias_tile(j):  # d bias = ds (the logits' gradient), 0 where unseen
       return dbias_ref.at[b, n, pl.ds(r0, bq), pl.ds(j * bk, bk)]
@@ -1557,20 +1514,14 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
       if mode != "skip":
         k_t, v_t = k_smem.at[slot], v_smem.at[slot]
         t_tile = t_smem.at[wg] if interpret else None
-        lse_b = lse2
+        lse_b, delta_b = lse2, delta
         if mode == "half":  # the first bk / 2 keys (no bias, mask or dbias)
           w = bk // 2
           k_t, v_t = k_smem.at[slot, pl.ds(0, w)], v_smem.at[slot, pl.ds(0, w)]
           t_tile = t_smem.at[wg, :, pl.ds(0, w)] if interpret else None
           lse_b = lax.broadcast_in_dim(lse_rows, (bq, w), [0])
-          if not d_in_steps:
-            delta_b = lax.broadcast_in_dim(delta_rows, (bq, w), [0])
-        elif not d_in_steps:
-          delta_b = delta
+          delta_b = lax.broadcast_in_dim(delta_rows, (bq, w), [0])
         shape = lse_b.shape
-        under = None
-        if d_in_steps:
-          under = lambda: pl.when(j == first_j)(put_delta)
         bias, mask = tiles
 
         def probabilities(qk):
@@ -1580,17 +1531,14 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
           return _bwd_probabilities(sp, qk, lse_b, band, bias, mask)
 
         if "dq" in EXP_UNDER_DP:  # p's exponentials while dp = do v^T runs
-          (qk,) = _products([(q_t, k_t.T)], shape, under)
+          (qk,) = _products([(q_t, k_t.T)], shape)
           (p, tanh), dp = _product_under((do_t, v_t.T), shape,
                                          lambda: probabilities(qk))
           last_products_done(j)  # (after dp: the next rows overwrite do_t)
         else:
-          qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], shape, under)
+          qk, dp = _products([(q_t, k_t.T), (do_t, v_t.T)], shape)
           last_products_done(j)
           p, tanh = probabilities(qk)
-        if d_in_steps:
-          delta_b = lax.broadcast_in_dim(
-              plgpu.load(delta_smem.at[wg, 0], layout=row_layout), shape, [0])
         ds = p * (dp - delta_b)
         if tanh is not None:
           ds = ds * (1.0 - tanh * tanh)
@@ -1611,9 +1559,6 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
     if ctas:  # a tile without key blocks: the rows' buffers are not in use
       pl.when(lo >= hi)(lambda: prefetch_rows(i))
     dq, _ = carry
-    if d_in_steps:  # no step computed D: the rows see no key
-      pl.when(first_j == no_step)(lambda: put_delta(zeros=True))
-      delta_rows = plgpu.load(delta_smem.at[wg, 0], layout=row_layout)
     if dbias_ref is not None:  # zeros in the key blocks the rows never see
       # lo (= hi) passes the last key block for rows past every key (a left
       # window with T > S): the stores are unchecked, so clamp both loops.
@@ -1627,16 +1572,14 @@ def _dq_kernel(*refs, sp, bq: int, bk: int, stages: int, nc: int, ctas: int,
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     out_t = dq_smem.at[wg] if ctas else q_t
     out_t[...] = jnp.where(qrows < q_lim, dq * sp.scale, 0.0).astype(dtype)
-    # (In steps: slot 1, as slot 0 may be the next persistent tile's.)
-    delta_out_t = delta_smem.at[wg, 1] if d_in_steps else delta_smem.at[wg]
     if o_smem is not None:
-      delta_out_t[...] = delta_rows
+      delta_smem.at[wg][...] = delta_rows
     plgpu.commit_smem()
 
     def store():
       plgpu.copy_smem_to_gmem(out_t, dq_ref.at[rows])
       if o_smem is not None:
-        plgpu.copy_smem_to_gmem(delta_out_t, delta_out_ref.at[b, n, pl.ds(r0, bq)])
+        plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_out_ref.at[b, n, pl.ds(r0, bq)])
 
     _when(live, store)
     if not ctas:
@@ -1672,7 +1615,6 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
   interpret = pallas_mosaic.INTERPRET.value
   itemsize = jnp.dtype(dtype).itemsize
   dq_delta = dq_computes_delta(config, hp, hvp, itemsize, interpret)
-  delta_in_steps = dq_delta and DQ_DELTA_UNDER_PRODUCTS
   # lse in base 2, f32 [B, N, T]; rows past the query length get lse = +inf,
   # so p = 0 there in every block. D = rowsum(do * o), f32 [B, N, T], by the
   # dq kernel (`DQ_DELTA`) or here.
@@ -1731,17 +1673,13 @@ def attention_backward(args, residuals, out, dout, config: MosaicAttentionVjpCon
           plgpu.SMEM((dq_nc, bq, hp), dtype),
           plgpu.SMEM((dq_nc, bq, hvp), dtype),
           plgpu.SMEM((dq_nc, bq), jnp.float32),
-          # D: XLA's, or the kernel's (with `DQ_DELTA_UNDER_PRODUCTS` read
-          # by the steps from slot 0, stored from slot 1)
-          plgpu.SMEM((dq_nc, 2, bq) if delta_in_steps else (dq_nc, bq), jnp.float32),
+          plgpu.SMEM((dq_nc, bq), jnp.float32),
           plgpu.SMEM((st, bk, hp), dtype),
           plgpu.SMEM((st, bk, hvp), dtype),
           plgpu.SMEM((dq_nc, bq, bk), dtype) if interpret else None,
           plgpu.SMEM((dq_nc, bq, hp), dtype) if dq_ctas else None,  # dq out
           plgpu.SMEM((dq_nc, bq, hvp), dtype) if dq_delta else None,  # O
-          # q_ready: Q, dO, lse and D or O (or O on o_ready)
-          plgpu.Barrier(num_arrivals=3 if delta_in_steps else 4, num_barriers=dq_nc),
-          plgpu.Barrier(num_arrivals=1, num_barriers=dq_nc) if delta_in_steps else None,
+          plgpu.Barrier(num_arrivals=4, num_barriers=dq_nc),  # q_ready
           plgpu.Barrier(num_arrivals=2, num_barriers=st),  # ready
           plgpu.Barrier(num_arrivals=dq_nc, num_barriers=st),  # free
       ],
