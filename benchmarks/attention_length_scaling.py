@@ -1,9 +1,10 @@
-"""Forward attention throughput against sequence length at a fixed B*T (GPU).
+"""Attention throughput against sequence length at a fixed B*T (GPU).
 
-Usage: python benchmarks/attention_length_scaling.py [OUT_DIR] [ROUNDS] [H] [LENGTHS]
+Usage: python benchmarks/attention_length_scaling.py [OUT_DIR] [ROUNDS] [H] [LENGTHS] [MODE]
 At B*T = 65536 tokens, N = 16, head dim H (default 64), for each T of
 LENGTHS (comma-separated, default 1024,2048,4096,8192,16384), causal and
-not: "mosaic" (shipped cache or heuristic) and cuDNN (jax.nn) forward, each
+not: "mosaic" (shipped cache or heuristic) and cuDNN (jax.nn), MODE
+"forward" (default) or "forward_and_vjp" (the gradient of q, k and v too), each
 compiled once and timed in ROUNDS alternating rounds (default 3) of 20
 calls (cupti), fresh random bf16 inputs per round. The FLOPs of a T grow
 with T at a fixed token count, while the per-query-tile costs (prologue,
@@ -12,8 +13,9 @@ cost gains more throughput with T than one without. Prints median TFLOP/s
 per kernel and the ratio, and a least-squares fit of "mosaic"'s non-causal
 times as SMs x time = tiles x (cost per tile) + rounds x (cost per round)
 (a tile: consumers x block_q query rows of the heuristic config, a round:
-one block_kv key step of all its consumers); writes
-attention_length_scaling.json.
+one block_kv key step of all its consumers; forward only); writes
+attention_length_scaling.json (forward) or
+attention_length_scaling_forward_and_vjp.json.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ TOKENS = 65536
 HEADS = 16
 
 
-def main(out_dir=".", rounds="3", head_dim="64", lengths="1024,2048,4096,8192,16384"):
+def main(out_dir=".", rounds="3", head_dim="64", lengths="1024,2048,4096,8192,16384",
+         mode="forward"):
   rounds, h = int(rounds), int(head_dim)
   impls = {
       "mosaic": lambda **kw: tokamax.dot_product_attention(**kw, implementation="mosaic"),
@@ -55,9 +58,9 @@ def main(out_dir=".", rounds="3", head_dim="64", lengths="1024,2048,4096,8192,16
         keys = jax.random.split(jax.random.key(r), 3)
         args = [jax.random.normal(key, shape.shape, shape.dtype) for key in keys]
         for name, f in compiled.items():
-          times[name].append(common.median_ms(f, args))
-      flops = common.attention_flops((b, t, HEADS, HEADS, h), causal, "forward")
-      row = dict(b=b, t=t, n=HEADS, h=h, causal=causal)
+          times[name].append(common.median_ms(f, args, mode))
+      flops = common.attention_flops((b, t, HEADS, HEADS, h), causal, mode)
+      row = dict(b=b, t=t, n=HEADS, h=h, causal=causal, mode=mode)
       for name, ts in times.items():
         ms = statistics.median(ts)
         row[f"{name}_ms"] = ms
@@ -68,9 +71,11 @@ def main(out_dir=".", rounds="3", head_dim="64", lengths="1024,2048,4096,8192,16
             f"cudnn {row['cudnn_tflops']:.1f} TFLOP/s, x{row['mosaic_x_cudnn']:.3f}",
             flush=True)
   meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind,
-              jax=jax.__version__, rounds=rounds, fit_us=_fit(rows, h))
+              jax=jax.__version__, rounds=rounds, mode=mode,
+              fit_us=_fit(rows, h) if mode == "forward" else None)
   print("mosaic per tile / per round (us):", meta["fit_us"])
-  path = pathlib.Path(out_dir) / "attention_length_scaling.json"
+  suffix = "" if mode == "forward" else f"_{mode}"
+  path = pathlib.Path(out_dir) / f"attention_length_scaling{suffix}.json"
   path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
 

@@ -202,10 +202,21 @@ if [[ $what == pending ]]; then
        PAUSE_S=1 timeout ${AB_S:-240} python3 benchmarks/attention_variance.py "$OUT/dq_delta" \
          ${ROUNDS:-3} "${SHAPES:-seed B32,seed causal,H128 causal,B8 T4096}" DQ_DELTA \
          False,True 2>&1 | grep -v "cuda_timer\|Delay kernel" | grep -v "^{" | tail -20 ;;
-    # 24 (2026-12-06 13:20): D computed under the dq kernel's first
-    # products, O on a barrier of its own (DQ_DELTA_UNDER_PRODUCTS): the D
-    # tests of the three paths and the causal partial tiles, then per-kernel
-    # A/B against D at the tile's start.
+    # 25 (2026-12-06 16:45): forward+backward against sequence length,
+    # "mosaic" and cuDNN, at head dims 64 and 128 (whether "mosaic" should
+    # come before cuDNN under implementation=None).
+    25) for h in 64 128; do mkdir -p "$OUT/scaling_fb_h$h"
+         [[ $h == 64 ]] && lens=1024,2048,4096,8192 || lens=2048,4096,8192
+         timeout $([[ $h == 64 ]] && echo ${FB64_S:-250} || echo ${FB128_S:-170}) \
+           python3 benchmarks/attention_length_scaling.py "$OUT/scaling_fb_h$h" \
+           ${ROUNDS:-3} $h $lens forward_and_vjp 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -10
+       done ;;
+    # 24 (2026-12-06 13:20; ran on an H100 on 2026-12-06 15:58, dropped):
+    # D computed under the dq kernel's first products, O on a barrier of its
+    # own (DQ_DELTA_UNDER_PRODUCTS): the D tests of the three paths and the
+    # causal partial tiles, then per-kernel A/B against D at the tile's
+    # start. Needs `git cherry-pick --no-commit 12a7b5a 75e8be1` first (the
+    # switch was removed after the A/B).
     24) JOBS=${JOBS:-2} pt ${TEST_S:-200} tests/test_attention.py \
          -k "TestMosaicGpu and (dq_delta_real_size or shape3-True or shape5-True)" \
          | tee "$OUT/pending_24_tests.log"
