@@ -274,6 +274,40 @@ def test_mask_at_head_dim_128_prefers_mosaic_over_cudnn():
     assert op.preferred(op.bind(q128, q128, q128, mask=mask))
 
 
+def test_causal_head_dim_64_prefers_mosaic_over_cudnn():
+  """Plain causal attention at head dim 64, 2048 <= T = S <= 4096: measured
+  faster forward+backward on an H100 (docs/benchmarks.md, 2026-12-06 15:56);
+  cuDNN keeps every other case of this test."""
+  from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
+  op = cudnn.CudnnDotProductAttention()
+  qs = {(t, h): jnp.ones((1, t, 2, h), jnp.bfloat16)
+        for t in (1024, 2048, 4096, 8192) for h in (64, 128)}
+  lens = jnp.full((1,), 1000, jnp.int32)
+  causal = dict(is_causal=True)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    for t in (2048, 4096):
+      q = qs[t, 64]
+      assert not op.preferred(op.bind(q, q, q, **causal))
+      kv = jnp.ones((1, t, 1, 64), jnp.bfloat16)  # GQA
+      assert not op.preferred(op.bind(jnp.ones((1, t, 4, 64), jnp.bfloat16), kv, kv, **causal))
+      assert op.preferred(op.bind(q, q, q))  # not causal
+      assert op.preferred(op.bind(q, q, q, local_window_size=(256, 0), **causal))
+      assert op.preferred(op.bind(q, q, q, query_seq_lengths=lens, **causal))
+      assert op.preferred(op.bind(q, q, q, key_value_seq_lengths=lens, **causal))
+      bias = jnp.ones((1, 2, t, t), jnp.bfloat16)
+      assert op.preferred(op.bind(q, q, q, bias=bias, **causal))
+      q128 = qs[t, 128]
+      assert op.preferred(op.bind(q128, q128, q128, **causal))
+    for t in (1024, 8192):
+      q = qs[t, 64]
+      assert op.preferred(op.bind(q, q, q, **causal))
+    q, kv = qs[2048, 64], qs[4096, 64]  # T != S
+    assert op.preferred(op.bind(q, kv, kv, **causal))
+  with tokamax.config.cross_compile("NVIDIA A100"):
+    q = qs[2048, 64]
+    assert op.preferred(op.bind(q, q, q, **causal))
+
+
 # --- gradients not asked for: Op.skip_grads, symbolic zeros ------------------
 
 _SEEN_SKIPS: list = []

@@ -17,9 +17,10 @@ dispatch.register(_OP, "mosaic", mosaic.MosaicDotProductAttention)
 
 
 def _default_order(target: platform.Target) -> list[str]:
-  # Measured on the H200 (docs/benchmarks.md): cuDNN is fastest where it runs;
-  # "mosaic" (Hopper only, bf16/f16) is faster than "triton", which takes the
-  # rest (f32, GPUs other than Hopper).
+  # Measured on the H200 (docs/benchmarks.md): cuDNN is fastest where it runs
+  # (it steps aside for "mosaic" where that was measured faster, see
+  # `CudnnDotProductAttention.preferred`); "mosaic" (Hopper only, bf16/f16) is
+  # faster than "triton", which takes the rest (f32, GPUs other than Hopper).
   if target.is_nvidia_gpu:
     return ["cudnn", "mosaic", "triton", "xla"]
   return ["xla"]

@@ -22,6 +22,20 @@ from tokamax._src import platform
 from tokamax.ops.attention import xla as base
 
 
+def _mosaic_faster_with_mask(args) -> bool:
+  return (args["mask"] is not None and args["bias"] is None
+          and args["query"].shape[3] >= 128)
+
+
+def _mosaic_faster_causal_h64(args) -> bool:
+  q, k = args["query"], args["key"]
+  plain = all(args[n] is None for n in (
+      "mask", "bias", "query_seq_lengths", "key_value_seq_lengths",
+      "local_window_size"))
+  return (args["is_causal"] and plain and q.shape[3] == 64
+          and q.shape[1] == k.shape[1] and 2048 <= q.shape[1] <= 4096)
+
+
 def _jax_nn_function(args):
   """f(query, key, value, bias) calling jax.nn with cuDNN, plus row zeroing."""
   left_right = args["local_window_size"]
@@ -151,11 +165,13 @@ class CudnnDotProductAttention(base.DotProductAttention):
       raise self.unsupported(f"jax.nn refused the call: {e}") from e
 
   def preferred(self, ba):
-    # With a bool mask (no bias) at head dims >= 128 "mosaic" was faster on
-    # the H200, forward 1.38x and forward+backward 1.15x (docs/benchmarks.md);
-    # step aside for it where it runs. At head dim 64 they tie.
+    # cuDNN steps aside for "mosaic" where that runs and was measured faster
+    # (docs/benchmarks.md): with a bool mask (no bias) at head dims >= 128
+    # (H200: forward 1.38x, forward+backward 1.15x; at 64 they tie), and for
+    # plain causal attention at head dim 64 with 2048 <= T = S <= 4096
+    # (H100, 2026-12-06: forward+backward 1.03-1.12x, forward 0.98-1.00x).
     args = ba.arguments
-    if args["mask"] is None or args["bias"] is not None or args["query"].shape[3] < 128:
+    if not (_mosaic_faster_with_mask(args) or _mosaic_faster_causal_h64(args)):
       return True
     from tokamax.ops.attention import mosaic  # pylint: disable=g-import-not-at-top
     try:
