@@ -206,9 +206,9 @@ if [[ $what == pending ]]; then
     # "mosaic" and cuDNN, at head dims 64 and 128 (whether "mosaic" should
     # come before cuDNN under implementation=None).
     25) for h in 64 128; do mkdir -p "$OUT/scaling_fb_h$h"
-         [[ $h == 64 ]] && lens=1024,2048,4096,8192 || lens=2048,4096,8192
-         timeout $([[ $h == 64 ]] && echo ${FB64_S:-250} || echo ${FB128_S:-170}) \
-           python3 benchmarks/attention_length_scaling.py "$OUT/scaling_fb_h$h" \
+         if [[ $h == 64 ]]; then lens=1024,2048,4096,8192 limit=${FB64_S:-250}
+         else lens=2048,4096,8192 limit=${FB128_S:-170}; fi
+         timeout $limit python3 benchmarks/attention_length_scaling.py "$OUT/scaling_fb_h$h" \
            ${ROUNDS:-3} $h $lens forward_and_vjp 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -10
        done ;;
     # 24 (2026-12-06 13:20; ran on an H100 on 2026-12-06 15:58, dropped):
