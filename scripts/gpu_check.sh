@@ -211,6 +211,22 @@ if [[ $what == pending ]]; then
          timeout $limit python3 benchmarks/attention_length_scaling.py "$OUT/scaling_fb_h$h" \
            ${ROUNDS:-3} $h $lens forward_and_vjp 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -10
        done ;;
+    # 26 (2026-12-06 19:00): the implementation=None rule at head dim 64
+    # (plain attention, T = S) on the GPU at hand: forward, then
+    # forward+backward, causal and not, at T 1024-4096 (3072 included: the
+    # rule's edges), then head dim 128 at T 8192 forward+backward (step 25's
+    # missing causal point).
+    26) lens=${LENS:-1024,2048,3072,4096}
+       for mode in forward forward_and_vjp; do mkdir -p "$OUT/rule_h64_$mode"
+         if [[ $mode == forward ]]; then limit=${FWD_S:-130}; else limit=${FB64_S:-230}; fi
+         timeout $limit python3 benchmarks/attention_length_scaling.py "$OUT/rule_h64_$mode" \
+           ${ROUNDS:-3} 64 $lens $mode 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+           | tee "$OUT/rule_h64_$mode/log.txt" | tail -10
+       done
+       mkdir -p "$OUT/fb_h128_8192"
+       timeout ${FB128_S:-150} python3 benchmarks/attention_length_scaling.py "$OUT/fb_h128_8192" \
+         ${ROUNDS:-3} 128 8192 forward_and_vjp 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+         | tee "$OUT/fb_h128_8192/log.txt" | tail -6 ;;
     # 24 (2026-12-06 13:20; ran on an H100 on 2026-12-06 15:58, dropped):
     # D computed under the dq kernel's first products, O on a barrier of its
     # own (DQ_DELTA_UNDER_PRODUCTS): the D tests of the three paths and the
