@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import tokamax
+from tokamax._src import autotuning
 from tokamax._src import dispatch
 from tokamax._src import op as op_lib
 from tokamax.ops.attention import xla as attention_xla
@@ -181,6 +182,85 @@ def test_not_preferred_is_skipped_under_none_only():
     dispatch.unregister(op, "test_slow")
 
 
+_RAN: list = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _FastWithoutGradient(xla_chunked.ChunkedDotProductAttention):
+  """Preferred only where no gradient is taken; records its forwards."""
+
+  implementation = "test_inference"
+
+  def preferred(self, ba):
+    return False
+
+  def preferred_for_inference(self, ba):
+    return True
+
+  def _fwd(self, **kwargs):
+    _RAN.append((self.implementation, kwargs["return_residuals"]))
+    return super()._fwd(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Training(_FastWithoutGradient):
+  """Preferred with a gradient, not without; records its forwards."""
+
+  implementation = "test_training"
+
+  def preferred(self, ba):
+    return True
+
+  def preferred_for_inference(self, ba):
+    return False
+
+
+@pytest.fixture
+def inference_impls():
+  op = "dot_product_attention"
+  for name, cls in (("test_inference", _FastWithoutGradient), ("test_training", _Training)):
+    dispatch.register(op, name, cls)
+  old = dispatch._DEFAULT_ORDER[op]
+  dispatch.set_default_order(op, lambda target: ["test_inference", "test_training", "xla"])
+  yield op
+  dispatch.set_default_order(op, old)
+  dispatch.unregister(op, "test_inference")
+  dispatch.unregister(op, "test_training")
+
+
+def test_none_runs_the_inference_op_where_no_gradient_is_taken(inference_impls):
+  q, k, v = _qkv(5)
+  ba = dispatch.select(inference_impls, None, (q, k, v), {})
+  assert ba.op.implementation == "test_training"
+  assert ba.op.inference.implementation == "test_inference"
+  # A named call runs what it names, with and without a gradient.
+  named = dispatch.select(inference_impls, "test_training", (q, k, v), {})
+  assert named.op.inference is None
+  f = lambda q, impl=None: jnp.sum(jnp.sin(
+      tokamax.dot_product_attention(q, k, v, is_causal=True, implementation=impl)))
+  ref = lambda q: jnp.sum(jnp.sin(reference.attention(q, k, v, is_causal=True)))
+  r = reference.f64(q)
+  with jax.default_matmul_precision("highest"):
+    _RAN.clear()
+    out = jax.jit(f)(q)
+    assert _RAN == [("test_inference", False)]
+    _RAN.clear()
+    value, grad = jax.jit(jax.value_and_grad(f))(q)
+    assert _RAN == [("test_training", True)]
+    _RAN.clear()
+    jax.jit(f, static_argnums=1)(q, "test_training")
+    assert _RAN == [("test_training", False)]
+  reference.assert_close(out, ref(r), 1e-5, "inference output")
+  reference.assert_close(value, ref(r), 1e-5, "training output")
+  reference.assert_close(grad, jax.grad(ref)(r), 1e-4, "dq")
+  # Autotuning finds the ops that run: without a gradient the inference op
+  # (and the training op, so a result tuned on f also serves its gradient).
+  found = {type(b.op) for b in autotuning.find_ops(f, q)}
+  assert found == {_FastWithoutGradient, _Training}
+  found = {type(b.op) for b in autotuning.find_ops(jax.grad(f), q)}
+  assert _Training in found and _FastWithoutGradient not in found
+
+
 def test_named_implementation_raises_for_unsupported_gradient(refusing_impl):
   q, k, v = _qkv(2)
   f = lambda q: jnp.sum(tokamax.dot_product_attention(
@@ -274,38 +354,96 @@ def test_mask_at_head_dim_128_prefers_mosaic_over_cudnn():
     assert op.preferred(op.bind(q128, q128, q128, mask=mask))
 
 
-def test_causal_head_dim_64_prefers_mosaic_over_cudnn():
-  """Plain causal attention at head dim 64, 2048 <= T = S <= 4096: measured
-  faster forward+backward on an H100 (docs/benchmarks.md, 2026-12-06 15:56);
+# (causal, T) -> (cuDNN preferred with a gradient, without one): "mosaic" was
+# measured faster at head dim 64 where False (H100, docs/benchmarks.md
+# 2026-12-06 19:00).
+_H64_CUDNN_KEEPS = {
+    (True, 512): (True, True), (True, 1024): (False, True),
+    (True, 2048): (False, True), (True, 3072): (False, False),
+    (True, 4096): (False, False), (True, 8192): (True, True),
+    (False, 512): (True, True), (False, 1024): (False, True),
+    (False, 2048): (False, False), (False, 3072): (True, False),
+    (False, 16384): (True, False), (False, 32768): (True, True),
+}
+
+
+@pytest.mark.parametrize("causal, t", sorted(_H64_CUDNN_KEEPS))
+def test_head_dim_64_prefers_mosaic_over_cudnn(causal, t):
+  """Plain attention at head dim 64: where "mosaic" was measured faster
+  forward+backward (`preferred`) and forward only (`preferred_for_inference`);
   cuDNN keeps every other case of this test."""
   from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
   op = cudnn.CudnnDotProductAttention()
-  qs = {(t, h): jnp.ones((1, t, 2, h), jnp.bfloat16)
-        for t in (1024, 2048, 4096, 8192) for h in (64, 128)}
-  lens = jnp.full((1,), 1000, jnp.int32)
-  causal = dict(is_causal=True)
+  keeps = lambda ba: (op.preferred(ba), op.preferred_for_inference(ba))
+  q, q128 = (jnp.ones((1, t, 2, h), jnp.bfloat16) for h in (64, 128))
+  lens = jnp.full((1,), 100, jnp.int32)
+  kw = dict(is_causal=causal)
   with tokamax.config.cross_compile("NVIDIA H200"):
-    for t in (2048, 4096):
-      q = qs[t, 64]
-      assert not op.preferred(op.bind(q, q, q, **causal))
-      kv = jnp.ones((1, t, 1, 64), jnp.bfloat16)  # GQA
-      assert not op.preferred(op.bind(jnp.ones((1, t, 4, 64), jnp.bfloat16), kv, kv, **causal))
-      assert op.preferred(op.bind(q, q, q))  # not causal
-      assert op.preferred(op.bind(q, q, q, local_window_size=(256, 0), **causal))
-      assert op.preferred(op.bind(q, q, q, query_seq_lengths=lens, **causal))
-      assert op.preferred(op.bind(q, q, q, key_value_seq_lengths=lens, **causal))
-      bias = jnp.ones((1, 2, t, t), jnp.bfloat16)
-      assert op.preferred(op.bind(q, q, q, bias=bias, **causal))
-      q128 = qs[t, 128]
-      assert op.preferred(op.bind(q128, q128, q128, **causal))
-    for t in (1024, 8192):
-      q = qs[t, 64]
-      assert op.preferred(op.bind(q, q, q, **causal))
-    q, kv = qs[2048, 64], qs[4096, 64]  # T != S
-    assert op.preferred(op.bind(q, kv, kv, **causal))
-  with tokamax.config.cross_compile("NVIDIA A100"):
-    q = qs[2048, 64]
-    assert op.preferred(op.bind(q, q, q, **causal))
+    assert keeps(op.bind(q, q, q, **kw)) == _H64_CUDNN_KEEPS[causal, t]
+    gqa_q, kv = (jnp.ones((1, t, n, 64), jnp.bfloat16) for n in (4, 1))
+    assert keeps(op.bind(gqa_q, kv, kv, **kw)) == _H64_CUDNN_KEEPS[causal, t]
+    for extra in (dict(local_window_size=(256, 0)), dict(query_seq_lengths=lens),
+                  dict(key_value_seq_lengths=lens),
+                  dict(bias=jnp.ones((1, 2, 1, t), jnp.bfloat16))):
+      assert keeps(op.bind(q, q, q, **kw, **extra)) == (True, True), extra
+    assert keeps(op.bind(q128, q128, q128, **kw)) == (True, True)
+    kv_long = jnp.ones((1, 2 * t, 2, 64), jnp.bfloat16)  # T != S
+    if not causal:  # (cuDNN refuses causal T != S)
+      assert keeps(op.bind(q, kv_long, kv_long, **kw)) == (True, True)
+  with tokamax.config.cross_compile("NVIDIA A100"):  # no "mosaic" there
+    assert keeps(op.bind(q, q, q, **kw)) == (True, True)
+
+
+def test_none_picks_per_mode_between_mosaic_and_cudnn(monkeypatch):
+  """Plain head dim 64: causal T = 1024 trains with "mosaic" (1.18x) and
+  infers with cuDNN ("mosaic" forward 0.92x); non-causal T = 3072 the
+  reverse (0.99x, 1.09x); non-causal T = 2048 "mosaic" for both."""
+  from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
+  # cuDNN's own check asks jax.nn, which has no cuDNN on this CPU machine.
+  monkeypatch.setattr(cudnn.CudnnDotProductAttention, "check_supported",
+                      lambda self, ba: None)
+  select = lambda q, **kw: dispatch.select("dot_product_attention", None, (q, q, q), kw).op
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    op = select(jnp.ones((1, 1024, 2, 64), jnp.bfloat16), is_causal=True)
+    assert (op.implementation, op.vjp.implementation) == ("mosaic", "mosaic")
+    assert op.inference.implementation == "cudnn"
+    op = select(jnp.ones((1, 3072, 2, 64), jnp.bfloat16))
+    assert (op.implementation, op.inference.implementation) == ("cudnn", "mosaic")
+    op = select(jnp.ones((1, 2048, 2, 64), jnp.bfloat16))
+    assert (op.implementation, op.inference) == ("mosaic", None)
+    op = select(jnp.ones((1, 8192, 2, 64), jnp.bfloat16), is_causal=True)
+    assert (op.implementation, op.inference) == ("cudnn", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, t, inference, training", [
+    (True, 1024, "cudnn", "mosaic"), (False, 3072, "mosaic", "cudnn"),
+])
+def test_none_runs_per_mode_kernels_on_the_gpu(causal, t, inference, training):
+  """On a Hopper GPU: the kernels each mode compiles (custom-call targets),
+  and both modes' values and the gradient against the f64 reference."""
+  targets = {"cudnn": "__cudnn$fmha", "mosaic": "mosaic_gpu"}
+  ks = jax.random.split(jax.random.key(t), 4)
+  q, k, v, dout = (jax.random.normal(key, (1, t, 2, 64), jnp.bfloat16) for key in ks)
+  attn = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal)
+
+  def train(q, k, v):
+    out, pullback = jax.vjp(attn, q, k, v)
+    return out, pullback(dout)
+
+  for fn, impl in ((attn, inference), (train, training)):
+    hlo = jax.jit(fn).lower(q, k, v).as_text()
+    other = targets["cudnn" if impl == "mosaic" else "mosaic"]
+    assert targets[impl] in hlo and other not in hlo, impl
+  ref = lambda q, k, v: reference.attention(q, k, v, is_causal=causal)
+  r = [reference.f64(x) for x in (q, k, v)]
+  ref_out, ref_pullback = jax.vjp(ref, *r)
+  out, grads = jax.jit(train)(q, k, v)
+  fwd_tol, grad_tol = reference.TOLERANCE[jnp.dtype(jnp.bfloat16)]
+  reference.assert_close(jax.jit(attn)(q, k, v), ref_out, fwd_tol, "inference")
+  reference.assert_close(out, ref_out, fwd_tol, "training")
+  for g, gr, name in zip(grads, ref_pullback(reference.f64(dout)), "qkv"):
+    reference.assert_close(g, gr, grad_tol, f"d{name}")
 
 
 # --- gradients not asked for: Op.skip_grads, symbolic zeros ------------------

@@ -5,7 +5,8 @@
 if none can handle the call. When the chosen forward's VJP cannot handle the
 call, None falls back to another VJP that accepts the same residuals, else to
 differentiating the XLA reference; a named implementation raises instead (when
-the gradient is traced).
+the gradient is traced). Where no gradient is taken, None may run another
+implementation's forward (`Op.preferred_for_inference`, `Op.inference`).
 """
 
 from __future__ import annotations
@@ -85,19 +86,34 @@ def select(
   ref_ba = reference.bind(*args, **kwargs)
 
   errors: list[NotImplementedError] = []
+  supported: dict[str, op_lib.BoundArguments | None] = {}
+
+  def bound_if_supported(name):
+    """`ref_ba` bound to `name`'s op, or None where that refuses the call."""
+    if name not in supported:
+      op = _REGISTRY[op_name][name]()
+      ba = dataclasses.replace(ref_ba, op=op)
+      try:
+        op.check_supported(ba)
+        op.check_forward_mode(ba)
+      except NotImplementedError as e:
+        errors.append(e)
+        ba = None
+      supported[name] = ba
+    return supported[name]
+
   for i, name in enumerate(names):
-    op = _REGISTRY[op_name][name]()
-    ba = dataclasses.replace(ref_ba, op=op)
-    try:
-      op.check_supported(ba)
-      op.check_forward_mode(ba)
-    except NotImplementedError as e:
-      errors.append(e)
+    ba = bound_if_supported(name)
+    if ba is None:
       continue
+    op = ba.op
     if not named and i + 1 < len(names) and not op.preferred(ba):
       continue
     if not named and op.vjp is not None:
-      op = dataclasses.replace(op, vjp=_fallback_vjp(op, ba, names[i + 1:]))
+      inference = _inference_op(names, bound_if_supported)
+      op = dataclasses.replace(
+          op, vjp=_fallback_vjp(op, ba, names[i + 1:]),
+          inference=None if type(inference) is type(op) else inference)
       ba = dataclasses.replace(ba, op=op)
     return ba
   if len(errors) == 1:
@@ -106,6 +122,21 @@ def select(
       f"No implementation of {op_name} among {names} can handle this call",
       errors,
   )
+
+
+def _inference_op(names, bound_if_supported) -> op_lib.Op:
+  """The first op of `names` that supports the call and is preferred for
+  it without a gradient (`Op.preferred_for_inference`), else the last that
+  supports it."""
+  found = None
+  for i, name in enumerate(names):
+    ba = bound_if_supported(name)
+    if ba is None:
+      continue
+    found = ba.op
+    if i + 1 == len(names) or found.preferred_for_inference(ba):
+      break
+  return found
 
 
 def _fallback_vjp(

@@ -236,11 +236,15 @@ class Op(abc.ABC):
     skip_grads: for a VJP op, the forward's arrays that are not being
       differentiated (set per call by the forward's custom VJP); the op may
       skip computing their gradients and return None for them.
+    inference: the op whose forward runs where no gradient is taken (set by
+      `implementation=None` where another implementation is faster without
+      a gradient, see `preferred_for_inference`); None: this op's.
   """
 
   config: Any = None
   vjp: "Op | None" = None
   skip_grads: frozenset[str] = frozenset()
+  inference: "Op | None" = None
 
   op_name: ClassVar[str] = "op"
   implementation: ClassVar[str] = "xla"
@@ -313,6 +317,12 @@ class Op(abc.ABC):
     del ba
     return True
 
+  def preferred_for_inference(self, ba: BoundArguments) -> bool:
+    """As `preferred`, for a call whose gradient is not taken (only the
+    forward runs). `preferred` decides where the gradient is taken: there
+    this op's forward also saves the residuals its VJP needs."""
+    return self.preferred(ba)
+
   def describe(self) -> str:
     return f"{self.op_name} implementation {self.implementation!r}"
 
@@ -362,10 +372,18 @@ class Op(abc.ABC):
     # run_bwd) sees them: symbolic zeros mark the others.
     perturbed: dict[str, bool] = {}
 
+    # JAX traces `run` only where no gradient is taken (else `run_fwd`):
+    # there the inference op, if any, computes the output.
     @jax.custom_vjp
     def run(arrays):
-      out, _ = self._fwd(
-          **arrays, **static, config=config, return_residuals=False
+      op, op_config = self, config
+      if self.inference is not None:
+        inference_ba = dataclasses.replace(ba, op=self.inference)
+        op, op_config = self.inference, resolve_config(inference_ba)
+        for observer in CALL_OBSERVERS:
+          observer(inference_ba, op_config)
+      out, _ = op._fwd(
+          **arrays, **static, config=op_config, return_residuals=False
       )
       return out
 

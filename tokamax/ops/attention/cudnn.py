@@ -27,13 +27,30 @@ def _mosaic_faster_with_mask(args) -> bool:
           and args["query"].shape[3] >= 128)
 
 
-def _mosaic_faster_causal_h64(args) -> bool:
+def _plain_h64_length(args) -> int | None:
+  """T for plain attention (no bias, mask, lengths or window) at head dim 64
+  with T = S, else None."""
   q, k = args["query"], args["key"]
   plain = all(args[n] is None for n in (
       "mask", "bias", "query_seq_lengths", "key_value_seq_lengths",
       "local_window_size"))
-  return (args["is_causal"] and plain and q.shape[3] == 64
-          and q.shape[1] == k.shape[1] and 2048 <= q.shape[1] <= 4096)
+  if plain and q.shape[3] == 64 and q.shape[1] == k.shape[1]:
+    return q.shape[1]
+  return None
+
+
+# Where "mosaic" was measured faster than cuDNN for plain attention at head
+# dim 64 (H100, 65536 tokens, N16, docs/benchmarks.md 2026-12-06 15:56 and
+# 19:00): (causal, lowest T, highest T) -> training (forward+backward)
+# and inference (forward only), the measured lengths T = S inclusive.
+_MOSAIC_TRAINS_FASTER = {True: (1024, 4096), False: (1024, 2048)}
+_MOSAIC_INFERS_FASTER = {True: (3072, 4096), False: (2048, 16384)}
+
+
+def _mosaic_faster_h64(args, lengths) -> bool:
+  t = _plain_h64_length(args)
+  lo, hi = lengths[bool(args["is_causal"])]
+  return t is not None and lo <= t <= hi
 
 
 def _jax_nn_function(args):
@@ -168,10 +185,20 @@ class CudnnDotProductAttention(base.DotProductAttention):
     # cuDNN steps aside for "mosaic" where that runs and was measured faster
     # (docs/benchmarks.md): with a bool mask (no bias) at head dims >= 128
     # (H200: forward 1.38x, forward+backward 1.15x; at 64 they tie), and for
-    # plain causal attention at head dim 64 with 2048 <= T = S <= 4096
-    # (H100, 2026-12-06: forward+backward 1.03-1.12x, forward 0.98-1.00x).
+    # plain attention at head dim 64 at the lengths of
+    # `_MOSAIC_TRAINS_FASTER` (H100: forward+backward 1.01-1.18x causal,
+    # 1.02-1.08x not).
+    return self._keeps(ba, _MOSAIC_TRAINS_FASTER)
+
+  def preferred_for_inference(self, ba):
+    # Without a gradient: the mask rule, and plain head dim 64 at the
+    # lengths of `_MOSAIC_INFERS_FASTER` (H100: forward 1.03-1.04x causal,
+    # 1.05-1.14x not).
+    return self._keeps(ba, _MOSAIC_INFERS_FASTER)
+
+  def _keeps(self, ba, h64_lengths) -> bool:
     args = ba.arguments
-    if not (_mosaic_faster_with_mask(args) or _mosaic_faster_causal_h64(args)):
+    if not (_mosaic_faster_with_mask(args) or _mosaic_faster_h64(args, h64_lengths)):
       return True
     from tokamax.ops.attention import mosaic  # pylint: disable=g-import-not-at-top
     try:
