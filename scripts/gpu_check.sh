@@ -211,7 +211,7 @@ if [[ $what == pending ]]; then
          timeout $limit python3 benchmarks/attention_length_scaling.py "$OUT/scaling_fb_h$h" \
            ${ROUNDS:-3} $h $lens forward_and_vjp 2>&1 | grep -v "cuda_timer\|Delay kernel" | tail -10
        done ;;
-    # 26 (2026-12-06 19:00): the implementation=None rule at head dim 64
+    # 26 (2026-12-06 19:00; ran on an H100 19:16): the implementation=None rule at head dim 64
     # (plain attention, T = S) on the GPU at hand: forward, then
     # forward+backward, causal and not, at T 1024-4096 (3072 included: the
     # rule's edges), then head dim 128 at T 8192 forward+backward (step 25's

@@ -356,7 +356,7 @@ def test_mask_at_head_dim_128_prefers_mosaic_over_cudnn():
 
 # (causal, T) -> (cuDNN preferred with a gradient, without one): "mosaic" was
 # measured faster at head dim 64 where False (H100, docs/benchmarks.md
-# 2026-12-06 19:00).
+# 2026-12-06 18:43).
 _H64_CUDNN_KEEPS = {
     (True, 512): (True, True), (True, 1024): (False, True),
     (True, 2048): (False, True), (True, 3072): (False, False),

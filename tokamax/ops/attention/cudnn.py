@@ -41,7 +41,7 @@ def _plain_h64_length(args) -> int | None:
 
 # Where "mosaic" was measured faster than cuDNN for plain attention at head
 # dim 64 (H100, 65536 tokens, N16, docs/benchmarks.md 2026-12-06 15:56 and
-# 19:00): (causal, lowest T, highest T) -> training (forward+backward)
+# 18:43): causal -> (lowest T, highest T) for training (forward+backward)
 # and inference (forward only), the measured lengths T = S inclusive.
 _MOSAIC_TRAINS_FASTER = {True: (1024, 4096), False: (1024, 2048)}
 _MOSAIC_INFERS_FASTER = {True: (3072, 4096), False: (2048, 16384)}
