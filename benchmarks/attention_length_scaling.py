@@ -1,7 +1,8 @@
 """Attention throughput against sequence length at a fixed B*T (GPU).
 
-Usage: python benchmarks/attention_length_scaling.py [OUT_DIR] [ROUNDS] [H] [LENGTHS] [MODE]
-At B*T = 65536 tokens, N = 16, head dim H (default 64), for each T of
+Usage: python benchmarks/attention_length_scaling.py [OUT_DIR] [ROUNDS] [H] [LENGTHS] [MODE] [N] [K]
+At B*T = 65536 tokens, N query heads (default 16) and K key/value heads
+(default N; K < N is GQA), head dim H (default 64), for each T of
 LENGTHS (comma-separated, default 1024,2048,4096,8192,16384), causal and
 not: "mosaic" (shipped cache or heuristic) and cuDNN (jax.nn), MODE
 "forward" (default) or "forward_and_vjp" (the gradient of q, k and v too), each
@@ -39,8 +40,9 @@ HEADS = 16
 
 
 def main(out_dir=".", rounds="3", head_dim="64", lengths="1024,2048,4096,8192,16384",
-         mode="forward"):
-  rounds, h = int(rounds), int(head_dim)
+         mode="forward", heads=str(HEADS), kv_heads=None):
+  rounds, h, n = int(rounds), int(head_dim), int(heads)
+  kh = n if kv_heads is None else int(kv_heads)
   impls = {
       "mosaic": lambda **kw: tokamax.dot_product_attention(**kw, implementation="mosaic"),
       "cudnn": lambda **kw: jax.nn.dot_product_attention(**kw, implementation="cudnn"),
@@ -49,25 +51,25 @@ def main(out_dir=".", rounds="3", head_dim="64", lengths="1024,2048,4096,8192,16
   for t in (int(x) for x in lengths.split(",")):
     b = TOKENS // t
     for causal in (False, True):
-      shape = jax.ShapeDtypeStruct((b, t, HEADS, h), jnp.bfloat16)
+      shapes = [(b, t, n, h), (b, t, kh, h), (b, t, kh, h)]
       compiled = {
           name: jax.jit(lambda q, k, v, fn=fn: fn(query=q, key=k, value=v, is_causal=causal))
           for name, fn in impls.items()}
       times = {name: [] for name in impls}
       for r in range(rounds):
         keys = jax.random.split(jax.random.key(r), 3)
-        args = [jax.random.normal(key, shape.shape, shape.dtype) for key in keys]
+        args = [jax.random.normal(key, sh, jnp.bfloat16) for key, sh in zip(keys, shapes)]
         for name, f in compiled.items():
           times[name].append(common.median_ms(f, args, mode))
-      flops = common.attention_flops((b, t, HEADS, HEADS, h), causal, mode)
-      row = dict(b=b, t=t, n=HEADS, h=h, causal=causal, mode=mode)
+      flops = common.attention_flops((b, t, n, kh, h), causal, mode)
+      row = dict(b=b, t=t, n=n, k=kh, h=h, causal=causal, mode=mode)
       for name, ts in times.items():
         ms = statistics.median(ts)
         row[f"{name}_ms"] = ms
         row[f"{name}_tflops"] = flops / ms / 1e9
       row["mosaic_x_cudnn"] = row["cudnn_ms"] / row["mosaic_ms"]
       rows.append(row)
-      print(f"B{b} T{t} H{h} causal={causal}: mosaic {row['mosaic_tflops']:.1f} "
+      print(f"B{b} T{t} N{n} K{kh} H{h} causal={causal}: mosaic {row['mosaic_tflops']:.1f} "
             f"cudnn {row['cudnn_tflops']:.1f} TFLOP/s, x{row['mosaic_x_cudnn']:.3f}",
             flush=True)
   meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind,

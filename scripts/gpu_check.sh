@@ -227,6 +227,16 @@ if [[ $what == pending ]]; then
        timeout ${FB128_S:-150} python3 benchmarks/attention_length_scaling.py "$OUT/fb_h128_8192" \
          ${ROUNDS:-3} 128 8192 forward_and_vjp 2>&1 | grep -v "cuda_timer\|Delay kernel" \
          | tee "$OUT/fb_h128_8192/log.txt" | tail -6 ;;
+    # 27 (2026-12-06 20:40): GQA at head dim 128 (N32 K8) against sequence
+    # length, forward then forward+backward, causal and not: "mosaic" was
+    # 1.05x cuDNN forward and 1.00-1.06x forward+backward at T 4096 causal in
+    # every run since 2026-12-05, the one GQA point behind a possible
+    # implementation=None rule.
+    27) for mode in forward forward_and_vjp; do mkdir -p "$OUT/gqa_$mode"
+         timeout ${GQA_S:-200} python3 benchmarks/attention_length_scaling.py "$OUT/gqa_$mode" \
+           ${ROUNDS:-3} 128 ${LENS:-2048,4096,8192} $mode 32 8 2>&1 \
+           | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/gqa_$mode/log.txt" | tail -8
+       done ;;
     # 24 (2026-12-06 13:20; ran on an H100 on 2026-12-06 15:58, dropped):
     # D computed under the dq kernel's first products, O on a barrier of its
     # own (DQ_DELTA_UNDER_PRODUCTS): the D tests of the three paths and the
