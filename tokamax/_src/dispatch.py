@@ -102,18 +102,18 @@ def select(
       supported[name] = ba
     return supported[name]
 
-  for i, name in enumerate(names):
-    ba = bound_if_supported(name)
-    if ba is None:
-      continue
+  i, ba = _first_preferred(
+      names, bound_if_supported,
+      (lambda ba: True) if named else (lambda ba: ba.op.preferred(ba)))
+  if ba is not None:
     op = ba.op
-    if not named and i + 1 < len(names) and not op.preferred(ba):
-      continue
     if not named and op.vjp is not None:
-      inference = _inference_op(names, bound_if_supported)
+      _, inference = _first_preferred(
+          names, bound_if_supported, lambda ba: ba.op.preferred_for_inference(ba))
       op = dataclasses.replace(
           op, vjp=_fallback_vjp(op, ba, names[i + 1:]),
-          inference=None if type(inference) is type(op) else inference)
+          inference=None if inference is None or type(inference.op) is type(op)
+          else inference.op)
       ba = dataclasses.replace(ba, op=op)
     return ba
   if len(errors) == 1:
@@ -124,19 +124,15 @@ def select(
   )
 
 
-def _inference_op(names, bound_if_supported) -> op_lib.Op:
-  """The first op of `names` that supports the call and is preferred for
-  it without a gradient (`Op.preferred_for_inference`), else the last that
-  supports it."""
-  found = None
+def _first_preferred(names, bound_if_supported, prefers):
+  """(index, the call bound to it) of the first op of `names` that supports
+  the call and that `prefers` (the last name needs only support), or
+  (None, None)."""
   for i, name in enumerate(names):
     ba = bound_if_supported(name)
-    if ba is None:
-      continue
-    found = ba.op
-    if i + 1 == len(names) or found.preferred_for_inference(ba):
-      break
-  return found
+    if ba is not None and (i + 1 == len(names) or prefers(ba)):
+      return i, ba
+  return None, None
 
 
 def _fallback_vjp(
