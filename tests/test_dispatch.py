@@ -394,10 +394,47 @@ def test_head_dim_64_prefers_mosaic_over_cudnn(causal, t):
     assert keeps(op.bind(q, q, q, **kw)) == (True, True)
 
 
+# (causal, T) -> cuDNN preferred without a gradient for plain GQA at head
+# dim 128 ("mosaic" forward measured faster where False: H200,
+# docs/benchmarks.md 2026-12-06 22:41); with a gradient cuDNN always keeps it.
+_GQA_H128_CUDNN_KEEPS_INFERENCE = {
+    (True, 1024): True, (True, 2048): False, (True, 8192): False,
+    (True, 16384): True, (False, 1024): True, (False, 4096): False,
+    (False, 8192): False, (False, 16384): True,
+}
+
+
+@pytest.mark.parametrize("causal, t", sorted(_GQA_H128_CUDNN_KEEPS_INFERENCE))
+def test_gqa_head_dim_128_infers_with_mosaic(causal, t):
+  """Plain GQA/MQA at head dim 128: "mosaic" without a gradient at the
+  measured lengths; cuDNN with one, and for equal head counts or extras."""
+  from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
+  op = cudnn.CudnnDotProductAttention()
+  keeps = lambda ba: (op.preferred(ba), op.preferred_for_inference(ba))
+  expected = (True, _GQA_H128_CUDNN_KEEPS_INFERENCE[causal, t])
+  q = jnp.ones((1, t, 4, 128), jnp.bfloat16)
+  kw = dict(is_causal=causal)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    for kv_heads in (2, 1):  # GQA, MQA
+      kv = jnp.ones((1, t, kv_heads, 128), jnp.bfloat16)
+      assert keeps(op.bind(q, kv, kv, **kw)) == expected, kv_heads
+    assert keeps(op.bind(q, q, q, **kw)) == (True, True)  # not GQA
+    kv = jnp.ones((1, t, 2, 128), jnp.bfloat16)
+    lens = jnp.full((1,), 100, jnp.int32)
+    for extra in (dict(local_window_size=(256, 0)), dict(key_value_seq_lengths=lens),
+                  dict(bias=jnp.ones((1, 4, 1, t), jnp.bfloat16))):
+      assert keeps(op.bind(q, kv, kv, **kw, **extra)) == (True, True), extra
+    q256, kv256 = (jnp.ones((1, t, n, 256), jnp.bfloat16) for n in (4, 2))
+    assert keeps(op.bind(q256, kv256, kv256, **kw)) == (True, True)
+  with tokamax.config.cross_compile("NVIDIA A100"):  # no "mosaic" there
+    assert keeps(op.bind(q, kv, kv, **kw)) == (True, True)
+
+
 def test_none_picks_per_mode_between_mosaic_and_cudnn(monkeypatch):
   """Plain head dim 64: causal T = 1024 trains with "mosaic" (1.18x) and
   infers with cuDNN ("mosaic" forward 0.92x); non-causal T = 3072 the
-  reverse (0.99x, 1.09x); non-causal T = 2048 "mosaic" for both."""
+  reverse (0.99x, 1.09x); non-causal T = 2048 "mosaic" for both; MQA at
+  head dim 128 trains with cuDNN and infers with "mosaic"."""
   from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
   # cuDNN's own check asks jax.nn, which has no cuDNN on this CPU machine.
   monkeypatch.setattr(cudnn.CudnnDotProductAttention, "check_supported",
@@ -413,18 +450,25 @@ def test_none_picks_per_mode_between_mosaic_and_cudnn(monkeypatch):
     assert (op.implementation, op.inference) == ("mosaic", None)
     op = select(jnp.ones((1, 8192, 2, 64), jnp.bfloat16), is_causal=True)
     assert (op.implementation, op.inference) == ("cudnn", None)
+    q, kv = (jnp.ones((1, 4096, n, 128), jnp.bfloat16) for n in (4, 1))
+    op = dispatch.select("dot_product_attention", None, (q, kv, kv), {}).op
+    assert (op.implementation, op.inference.implementation) == ("cudnn", "mosaic")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal, t, inference, training", [
-    (True, 1024, "cudnn", "mosaic"), (False, 3072, "mosaic", "cudnn"),
+@pytest.mark.parametrize("causal, t, heads, h, inference, training", [
+    (True, 1024, (2, 2), 64, "cudnn", "mosaic"),
+    (False, 3072, (2, 2), 64, "mosaic", "cudnn"),
+    (True, 2048, (4, 1), 128, "mosaic", "cudnn"),
 ])
-def test_none_runs_per_mode_kernels_on_the_gpu(causal, t, inference, training):
+def test_none_runs_per_mode_kernels_on_the_gpu(causal, t, heads, h, inference, training):
   """On a Hopper GPU: the kernels each mode compiles (custom-call targets),
   and both modes' values and the gradient against the f64 reference."""
   targets = {"cudnn": "__cudnn$fmha", "mosaic": "mosaic_gpu"}
   ks = jax.random.split(jax.random.key(t), 4)
-  q, k, v, dout = (jax.random.normal(key, (1, t, 2, 64), jnp.bfloat16) for key in ks)
+  n, kv_heads = heads
+  q, dout, k, v = (jax.random.normal(key, (1, t, n_, h), jnp.bfloat16)
+                   for key, n_ in zip(ks, (n, n, kv_heads, kv_heads)))
   attn = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal)
 
   def train(q, k, v):

@@ -27,30 +27,44 @@ def _mosaic_faster_with_mask(args) -> bool:
           and args["query"].shape[3] >= 128)
 
 
-def _plain_h64_length(args) -> int | None:
-  """T for plain attention (no bias, mask, lengths or window) at head dim 64
-  with T = S, else None."""
+def _plain_kind(args) -> tuple[str, int] | None:
+  """("h64" | "gqa_h128", T) for plain attention (no bias, mask, lengths or
+  window) with T = S at head dim 64, or at head dim 128 with fewer key/value
+  heads than query heads (GQA/MQA); else None."""
   q, k = args["query"], args["key"]
   plain = all(args[n] is None for n in (
       "mask", "bias", "query_seq_lengths", "key_value_seq_lengths",
       "local_window_size"))
-  if plain and q.shape[3] == 64 and q.shape[1] == k.shape[1]:
-    return q.shape[1]
+  if not plain or q.shape[1] != k.shape[1]:
+    return None
+  if q.shape[3] == 64:
+    return "h64", q.shape[1]
+  if q.shape[3] == 128 and k.shape[2] < q.shape[2]:
+    return "gqa_h128", q.shape[1]
   return None
 
 
-# Where "mosaic" was measured faster than cuDNN for plain attention at head
-# dim 64 (H100, 65536 tokens, N16, docs/benchmarks.md 2026-12-06 15:56 and
-# 18:43): causal -> (lowest T, highest T) for training (forward+backward)
-# and inference (forward only), the measured lengths T = S inclusive.
-_MOSAIC_TRAINS_FASTER = {True: (1024, 4096), False: (1024, 2048)}
-_MOSAIC_INFERS_FASTER = {True: (3072, 4096), False: (2048, 16384)}
+# Where "mosaic" was measured faster than cuDNN for plain attention with
+# T = S (docs/benchmarks.md): kind -> causal -> (lowest T, highest T), the
+# measured lengths inclusive, for training (forward+backward) and inference
+# (forward only).
+# - "h64": N16 at 65536 tokens, H100 2026-12-06 15:56 and 18:43; the H200
+#   agreed at 22:41 within the run-to-run spread (forward+backward
+#   non-causal at T 2048: 0.99 in the length sweep, 1.05 in the table).
+# - "gqa_h128": N32 K8 at 65536 tokens, H200 2026-12-06 22:41: forward
+#   1.02-1.06x at T 2048-8192, causal and not; forward+backward 0.90-1.01x,
+#   so training keeps cuDNN.
+_MOSAIC_TRAINS_FASTER = {"h64": {True: (1024, 4096), False: (1024, 2048)}}
+_MOSAIC_INFERS_FASTER = {"h64": {True: (3072, 4096), False: (2048, 16384)},
+                         "gqa_h128": {True: (2048, 8192), False: (2048, 8192)}}
 
 
-def _mosaic_faster_h64(args, lengths) -> bool:
-  t = _plain_h64_length(args)
-  lo, hi = lengths[bool(args["is_causal"])]
-  return t is not None and lo <= t <= hi
+def _mosaic_faster_plain(args, rules) -> bool:
+  kind = _plain_kind(args)
+  if kind is None or kind[0] not in rules:
+    return False
+  lo, hi = rules[kind[0]][bool(args["is_causal"])]
+  return lo <= kind[1] <= hi
 
 
 def _jax_nn_function(args):
@@ -187,18 +201,19 @@ class CudnnDotProductAttention(base.DotProductAttention):
     # (H200: forward 1.38x, forward+backward 1.15x; at 64 they tie), and for
     # plain attention at head dim 64 at the lengths of
     # `_MOSAIC_TRAINS_FASTER` (H100: forward+backward 1.01-1.18x causal,
-    # 1.02-1.08x not).
+    # 1.02-1.08x not; H200: 1.04-1.12x causal).
     return self._keeps(ba, _MOSAIC_TRAINS_FASTER)
 
   def preferred_for_inference(self, ba):
-    # Without a gradient: the mask rule, and plain head dim 64 at the
-    # lengths of `_MOSAIC_INFERS_FASTER` (H100: forward 1.03-1.04x causal,
-    # 1.05-1.14x not).
+    # Without a gradient: the mask rule, plain head dim 64 and plain GQA at
+    # head dim 128 at the lengths of `_MOSAIC_INFERS_FASTER` (head dim 64,
+    # H100: forward 1.03-1.04x causal, 1.05-1.14x not; GQA H128, H200:
+    # 1.02-1.06x).
     return self._keeps(ba, _MOSAIC_INFERS_FASTER)
 
-  def _keeps(self, ba, h64_lengths) -> bool:
+  def _keeps(self, ba, plain_rules) -> bool:
     args = ba.arguments
-    if not (_mosaic_faster_with_mask(args) or _mosaic_faster_h64(args, h64_lengths)):
+    if not (_mosaic_faster_with_mask(args) or _mosaic_faster_plain(args, plain_rules)):
       return True
     from tokamax.ops.attention import mosaic  # pylint: disable=g-import-not-at-top
     try:
