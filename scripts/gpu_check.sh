@@ -47,6 +47,8 @@ if [[ $what == pending ]]; then
   # (14:55-); the persistent tests and step 8 (tests on an H100, the rest of
   # the class and the benchmark on the H200; K narrows its tests) on
   # 2026-12-05 (17:32-). Step 15 ran on an H100 on 2026-12-05 (20:20-).
+  # Steps 8, 26 (2 rounds, without its H128 point) and 27 ran on the H200 on
+  # 2026-12-06 (22:27-).
   # Step 12's A/B is still untimed.
   # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
   # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
