@@ -64,6 +64,9 @@ def dot_product_attention(
     precision: matmul precision (jax.lax.Precision), XLA implementations.
     implementation: None (best available, falls back to "xla"), a name
       ("xla", "xla_chunked", "cudnn", "triton", "mosaic") or a list of names.
+      Under None a call whose output is not differentiated may run another
+      forward kernel than the same call under jax.grad (the faster one for
+      each mode; README, "Default order under implementation=None").
 
   Returns:
     [*B, T, N, Hv] in query's dtype. Softmax statistics are f32; a query row
