@@ -1,7 +1,7 @@
 """Attention throughput against sequence length at a fixed B*T (GPU).
 
-Usage: python benchmarks/attention_length_scaling.py [OUT_DIR] [ROUNDS] [H] [LENGTHS] [MODE] [N] [K]
-At B*T = 65536 tokens, N query heads (default 16) and K key/value heads
+Usage: [BATCH=B] python benchmarks/attention_length_scaling.py [OUT_DIR] [ROUNDS] [H] [LENGTHS] [MODE] [N] [K]
+At B*T = 65536 tokens (or batch B at every T with BATCH), N query heads (default 16) and K key/value heads
 (default N; K < N is GQA), head dim H (default 64), for each T of
 LENGTHS (comma-separated, default 1024,2048,4096,8192,16384), causal and
 not: "mosaic" (shipped cache or heuristic) and cuDNN (jax.nn), MODE
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -49,7 +50,7 @@ def main(out_dir=".", rounds="3", head_dim="64", lengths="1024,2048,4096,8192,16
   }
   rows = []
   for t in (int(x) for x in lengths.split(",")):
-    b = TOKENS // t
+    b = int(os.environ.get("BATCH", 0)) or TOKENS // t
     for causal in (False, True):
       shapes = [(b, t, n, h), (b, t, kh, h), (b, t, kh, h)]
       compiled = {
