@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import pathlib
 
@@ -354,9 +355,27 @@ def test_mask_at_head_dim_128_prefers_mosaic_over_cudnn():
     assert op.preferred(op.bind(q128, q128, q128, mask=mask))
 
 
-# (causal, T) -> (cuDNN preferred with a gradient, without one): "mosaic" was
-# measured faster at head dim 64 where False (H100, docs/benchmarks.md
-# 2026-12-06 18:43).
+def _cudnn_keeps(op, q_shape, kv_shape=None, **kw):
+  """(cuDNN preferred with a gradient, without one) for bf16 q, k, v of these
+  shapes, traced abstractly (grids of millions of rows cost no memory)."""
+  kv_shape = kv_shape or q_shape
+  seen = []
+
+  def f(q, k, v):
+    ba = op.bind(q, k, v, **kw)
+    seen.append((op.preferred(ba), op.preferred_for_inference(ba)))
+    return q
+
+  jax.eval_shape(f, *(jax.ShapeDtypeStruct(s, jnp.bfloat16)
+                      for s in (q_shape, kv_shape, kv_shape)))
+  return seen[0]
+
+
+_ROWS = 2**20  # B·N·T of the 65536-token N16 sweeps behind the length rules
+
+# (causal, T) -> (cuDNN preferred with a gradient, without one) at 2**20 rows:
+# "mosaic" was measured faster at head dim 64 where False (H100,
+# docs/benchmarks.md 2026-12-06 18:43).
 _H64_CUDNN_KEEPS = {
     (True, 512): (True, True), (True, 1024): (False, True),
     (True, 2048): (False, True), (True, 3072): (False, False),
@@ -369,29 +388,65 @@ _H64_CUDNN_KEEPS = {
 
 @pytest.mark.parametrize("causal, t", sorted(_H64_CUDNN_KEEPS))
 def test_head_dim_64_prefers_mosaic_over_cudnn(causal, t):
-  """Plain attention at head dim 64: where "mosaic" was measured faster
-  forward+backward (`preferred`) and forward only (`preferred_for_inference`);
-  cuDNN keeps every other case of this test."""
+  """Plain attention at head dim 64 on a large grid: where "mosaic" was
+  measured faster forward+backward (`preferred`) and forward only
+  (`preferred_for_inference`); cuDNN keeps every other case of this test."""
   from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
   op = cudnn.CudnnDotProductAttention()
-  keeps = lambda ba: (op.preferred(ba), op.preferred_for_inference(ba))
-  q, q128 = (jnp.ones((1, t, 2, h), jnp.bfloat16) for h in (64, 128))
-  lens = jnp.full((1,), 100, jnp.int32)
-  kw = dict(is_causal=causal)
+  keeps = functools.partial(_cudnn_keeps, op, is_causal=causal)
+  b = _ROWS // (4 * t)
+  q, q128 = ((b, t, 4, h) for h in (64, 128))
+  lens = jnp.full((b,), 100, jnp.int32)
   with tokamax.config.cross_compile("NVIDIA H200"):
-    assert keeps(op.bind(q, q, q, **kw)) == _H64_CUDNN_KEEPS[causal, t]
-    gqa_q, kv = (jnp.ones((1, t, n, 64), jnp.bfloat16) for n in (4, 1))
-    assert keeps(op.bind(gqa_q, kv, kv, **kw)) == _H64_CUDNN_KEEPS[causal, t]
+    assert keeps(q) == _H64_CUDNN_KEEPS[causal, t]
+    assert keeps(q, (b, t, 1, 64)) == _H64_CUDNN_KEEPS[causal, t]  # MQA
     for extra in (dict(local_window_size=(256, 0)), dict(query_seq_lengths=lens),
                   dict(key_value_seq_lengths=lens),
-                  dict(bias=jnp.ones((1, 2, 1, t), jnp.bfloat16))):
-      assert keeps(op.bind(q, q, q, **kw, **extra)) == (True, True), extra
-    assert keeps(op.bind(q128, q128, q128, **kw)) == (True, True)
-    kv_long = jnp.ones((1, 2 * t, 2, 64), jnp.bfloat16)  # T != S
-    if not causal:  # (cuDNN refuses causal T != S)
-      assert keeps(op.bind(q, kv_long, kv_long, **kw)) == (True, True)
+                  dict(bias=jnp.ones((1, 4, 1, t), jnp.bfloat16))):
+      assert keeps(q, **extra) == (True, True), extra
+    assert keeps(q128) == (True, True)
+    if not causal:  # T != S (cuDNN refuses it causal)
+      assert keeps(q, (b, 2 * t, 4, 64)) == (True, True)
   with tokamax.config.cross_compile("NVIDIA A100"):  # no "mosaic" there
-    assert keeps(op.bind(q, q, q, **kw)) == (True, True)
+    assert keeps(q) == (True, True)
+
+
+# (head dim, causal, T, rows = B·N·T) -> (cuDNN preferred with a gradient,
+# without one) on small grids, N8 (H100, docs/benchmarks.md 2026-12-07):
+# causal "mosaic" wins up to a row bound, non-causal cuDNN wins below one.
+_SMALL_GRID_CUDNN_KEEPS = {
+    (64, True, 4096, 32768): (False, False),
+    (64, True, 8192, 65536): (False, False),
+    (64, True, 8192, 131072): (True, True),
+    (64, False, 2048, 131072): (True, True),
+    (64, False, 2048, 262144): (False, False),
+    (64, False, 4096, 32768): (True, True),
+    (64, False, 4096, 262144): (True, False),
+    (128, True, 2048, 32768): (True, True),  # (T < 4096 not measured)
+    (128, True, 4096, 65536): (False, False),
+    (128, True, 8192, 65536): (False, False),
+    (128, True, 8192, 131072): (True, False),
+    (128, True, 16384, 131072): (True, False),
+    (128, True, 16384, 524288): (True, True),
+    (128, True, 32768, 262144): (True, True),
+    (128, False, 4096, 65536): (True, True),
+}
+
+
+@pytest.mark.parametrize("h, causal, t, rows", sorted(_SMALL_GRID_CUDNN_KEEPS))
+def test_small_grids_choose_by_rows(h, causal, t, rows):
+  """Plain attention with few rows (B·N·T): causal favours "mosaic" up to a
+  bound, non-causal head dim 64 needs a lower bound; extras keep cuDNN."""
+  from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
+  op = cudnn.CudnnDotProductAttention()
+  keeps = functools.partial(_cudnn_keeps, op, is_causal=causal)
+  q = (rows // (8 * t), t, 8, h)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    assert keeps(q) == _SMALL_GRID_CUDNN_KEEPS[h, causal, t, rows]
+    assert keeps(q, local_window_size=(256, 0)) == (True, True)
+    assert keeps((*q[:3], 256)) == (True, True)
+  with tokamax.config.cross_compile("NVIDIA A100"):
+    assert keeps(q) == (True, True)
 
 
 # (causal, T) -> cuDNN preferred without a gradient for plain GQA at head
@@ -407,59 +462,75 @@ _GQA_H128_CUDNN_KEEPS_INFERENCE = {
 @pytest.mark.parametrize("causal, t", sorted(_GQA_H128_CUDNN_KEEPS_INFERENCE))
 def test_gqa_head_dim_128_infers_with_mosaic(causal, t):
   """Plain GQA/MQA at head dim 128: "mosaic" without a gradient at the
-  measured lengths; cuDNN with one, and for equal head counts or extras."""
+  measured lengths; cuDNN with one, and for equal head counts on a large
+  grid or extras."""
   from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
   op = cudnn.CudnnDotProductAttention()
-  keeps = lambda ba: (op.preferred(ba), op.preferred_for_inference(ba))
+  keeps = functools.partial(_cudnn_keeps, op, is_causal=causal)
   expected = (True, _GQA_H128_CUDNN_KEEPS_INFERENCE[causal, t])
-  q = jnp.ones((1, t, 4, 128), jnp.bfloat16)
-  kw = dict(is_causal=causal)
+  b = 2 * _ROWS // (4 * t)
+  q = (b, t, 4, 128)
   with tokamax.config.cross_compile("NVIDIA H200"):
     for kv_heads in (2, 1):  # GQA, MQA
-      kv = jnp.ones((1, t, kv_heads, 128), jnp.bfloat16)
-      assert keeps(op.bind(q, kv, kv, **kw)) == expected, kv_heads
-    assert keeps(op.bind(q, q, q, **kw)) == (True, True)  # not GQA
-    kv = jnp.ones((1, t, 2, 128), jnp.bfloat16)
-    lens = jnp.full((1,), 100, jnp.int32)
+      assert keeps(q, (b, t, kv_heads, 128)) == expected, kv_heads
+    assert keeps(q) == (True, True)  # not GQA
+    kv = (b, t, 2, 128)
+    lens = jnp.full((b,), 100, jnp.int32)
     for extra in (dict(local_window_size=(256, 0)), dict(key_value_seq_lengths=lens),
                   dict(bias=jnp.ones((1, 4, 1, t), jnp.bfloat16))):
-      assert keeps(op.bind(q, kv, kv, **kw, **extra)) == (True, True), extra
-    q256, kv256 = (jnp.ones((1, t, n, 256), jnp.bfloat16) for n in (4, 2))
-    assert keeps(op.bind(q256, kv256, kv256, **kw)) == (True, True)
+      assert keeps(q, kv, **extra) == (True, True), extra
+    assert keeps((b, t, 4, 256), (b, t, 2, 256)) == (True, True)
   with tokamax.config.cross_compile("NVIDIA A100"):  # no "mosaic" there
-    assert keeps(op.bind(q, kv, kv, **kw)) == (True, True)
+    assert keeps(q, kv) == (True, True)
 
 
 def test_none_picks_per_mode_between_mosaic_and_cudnn(monkeypatch):
-  """Plain head dim 64: causal T = 1024 trains with "mosaic" (1.18x) and
-  infers with cuDNN ("mosaic" forward 0.92x); non-causal T = 3072 the
-  reverse (0.99x, 1.09x); non-causal T = 2048 "mosaic" for both; MQA at
-  head dim 128 trains with cuDNN and infers with "mosaic"."""
+  """Plain head dim 64 on a large grid: causal T = 1024 trains with "mosaic"
+  (1.18x) and infers with cuDNN ("mosaic" forward 0.92x); non-causal
+  T = 3072 the reverse (0.99x, 1.09x); non-causal T = 2048 "mosaic" for
+  both; MQA at head dim 128 trains with cuDNN and infers with "mosaic";
+  a small causal head-dim-128 grid takes "mosaic" for both."""
   from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
   # cuDNN's own check asks jax.nn, which has no cuDNN on this CPU machine.
   monkeypatch.setattr(cudnn.CudnnDotProductAttention, "check_supported",
                       lambda self, ba: None)
-  select = lambda q, **kw: dispatch.select("dot_product_attention", None, (q, q, q), kw).op
+
+  def select(q_shape, kv_shape=None, **kw):
+    seen = []
+
+    def f(q, k, v):
+      seen.append(dispatch.select("dot_product_attention", None, (q, k, v), kw).op)
+      return q
+
+    kv_shape = kv_shape or q_shape
+    jax.eval_shape(f, *(jax.ShapeDtypeStruct(s, jnp.bfloat16)
+                        for s in (q_shape, kv_shape, kv_shape)))
+    return seen[0]
+
+  rows_of = lambda t: (_ROWS // (2 * t), t, 2, 64)
   with tokamax.config.cross_compile("NVIDIA H200"):
-    op = select(jnp.ones((1, 1024, 2, 64), jnp.bfloat16), is_causal=True)
+    op = select(rows_of(1024), is_causal=True)
     assert (op.implementation, op.vjp.implementation) == ("mosaic", "mosaic")
     assert op.inference.implementation == "cudnn"
-    op = select(jnp.ones((1, 3072, 2, 64), jnp.bfloat16))
+    op = select(rows_of(3072))
     assert (op.implementation, op.inference.implementation) == ("cudnn", "mosaic")
-    op = select(jnp.ones((1, 2048, 2, 64), jnp.bfloat16))
+    op = select(rows_of(2048))
     assert (op.implementation, op.inference) == ("mosaic", None)
-    op = select(jnp.ones((1, 8192, 2, 64), jnp.bfloat16), is_causal=True)
+    op = select(rows_of(8192), is_causal=True)
     assert (op.implementation, op.inference) == ("cudnn", None)
-    q, kv = (jnp.ones((1, 4096, n, 128), jnp.bfloat16) for n in (4, 1))
-    op = dispatch.select("dot_product_attention", None, (q, kv, kv), {}).op
+    op = select((1, 4096, 4, 128), (1, 4096, 1, 128))
     assert (op.implementation, op.inference.implementation) == ("cudnn", "mosaic")
+    op = select((1, 4096, 8, 128), is_causal=True)
+    assert (op.implementation, op.inference) == ("mosaic", None)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal, t, heads, h, inference, training", [
     (True, 1024, (2, 2), 64, "cudnn", "mosaic"),
-    (False, 3072, (2, 2), 64, "mosaic", "cudnn"),
+    (False, 3072, (2, 2), 64, "cudnn", "cudnn"),  # a small grid (6144 rows)
     (True, 2048, (4, 1), 128, "mosaic", "cudnn"),
+    (True, 4096, (32, 32), 128, "mosaic", "cudnn"),  # 131072 rows
+    (True, 4096, (8, 8), 128, "mosaic", "mosaic"),  # 32768 rows
 ])
 def test_none_runs_per_mode_kernels_on_the_gpu(causal, t, heads, h, inference, training):
   """On a Hopper GPU: the kernels each mode compiles (custom-call targets),

@@ -13,6 +13,7 @@ Rows that see no key are zeroed here, so the semantics match "xla".
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,44 +28,68 @@ def _mosaic_faster_with_mask(args) -> bool:
           and args["query"].shape[3] >= 128)
 
 
-def _plain_kind(args) -> tuple[str, int] | None:
-  """("h64" | "gqa_h128", T) for plain attention (no bias, mask, lengths or
-  window) with T = S at head dim 64, or at head dim 128 with fewer key/value
-  heads than query heads (GQA/MQA); else None."""
+def _plain_kind(args) -> tuple[str, int, int] | None:
+  """(kind, T, rows) for plain attention (no bias, mask, lengths or window)
+  with T = S: kind "h64" (head dim 64), "h128" (head dim 128, as many
+  key/value heads as query heads) or "gqa_h128" (head dim 128, fewer: GQA/MQA);
+  rows = B·N·T, the query rows of all heads. Else None."""
   q, k = args["query"], args["key"]
   plain = all(args[n] is None for n in (
       "mask", "bias", "query_seq_lengths", "key_value_seq_lengths",
       "local_window_size"))
   if not plain or q.shape[1] != k.shape[1]:
     return None
-  if q.shape[3] == 64:
-    return "h64", q.shape[1]
-  if q.shape[3] == 128 and k.shape[2] < q.shape[2]:
-    return "gqa_h128", q.shape[1]
-  return None
+  b, t, n, h = q.shape
+  if h == 64:
+    kind = "h64"
+  elif h == 128:
+    kind = "gqa_h128" if k.shape[2] < n else "h128"
+  else:
+    return None
+  return kind, t, b * n * t
 
 
+_ANY_ROWS = (0, math.inf)
 # Where "mosaic" was measured faster than cuDNN for plain attention with
-# T = S (docs/benchmarks.md): kind -> causal -> (lowest T, highest T), the
-# measured lengths inclusive, for training (forward+backward) and inference
-# (forward only).
-# - "h64": N16 at 65536 tokens, H100 2026-12-06 15:56 and 18:43; the H200
-#   agreed at 22:41 within the run-to-run spread (forward+backward
-#   non-causal at T 2048: 0.99 in the length sweep, 1.05 in the table).
-# - "gqa_h128": N32 K8 at 65536 tokens, H200 2026-12-06 22:41: forward
-#   1.02-1.06x at T 2048-8192, causal and not; forward+backward 0.90-1.01x,
-#   so training keeps cuDNN.
-_MOSAIC_TRAINS_FASTER = {"h64": {True: (1024, 4096), False: (1024, 2048)}}
-_MOSAIC_INFERS_FASTER = {"h64": {True: (3072, 4096), False: (2048, 16384)},
-                         "gqa_h128": {True: (2048, 8192), False: (2048, 8192)}}
+# T = S (docs/benchmarks.md), for training (forward+backward) and inference
+# (forward only): kind -> [(causal, (lowest T, highest T), (fewest rows,
+# most rows))], inclusive; rows = B·N·T. Small grids (few rows) favour
+# "mosaic" when causal (its heaviest-first tile order leaves a short tail)
+# and cuDNN when not (its finer tiles fill the last wave).
+# - "h64": N16 at 65536 tokens (1M rows), H100 2026-12-06 15:56 and 18:43,
+#   H200 22:41; 32768-262144 rows, H100 2026-12-07 02:31. Causal training
+#   1.04-1.28x at T 1024-4096 at any rows, 1.22x at T 8192 with 65536 rows
+#   (0.96x at 1M); non-causal training 1.02x from 262144 rows, 0.78-0.99x
+#   below; non-causal forward 1.04-1.05x from 262144 rows, 0.72-0.95x below.
+# - "h128": H100 2026-12-07 02:31 (B1-B4, N8-16; the 2026-12-05 H200 rows
+#   agree): causal training 1.17-1.50x up to 65536 rows, 1.00-1.06x at
+#   131072, 0.87x at 262144; causal forward 1.06-1.70x up to 262144 rows at
+#   T 4096-16384, 1.00-1.04x at 524288; non-causal: cuDNN (forward
+#   1.01-1.02x, forward+backward 0.90-0.94x).
+# - "gqa_h128": N32 K8 at 65536 tokens (2M rows), H200 2026-12-06 22:41:
+#   forward 1.02-1.06x at T 2048-8192, causal and not; forward+backward
+#   0.90-1.01x, so training keeps cuDNN. Small GQA grids are unmeasured.
+_MOSAIC_TRAINS_FASTER = {
+    "h64": [(True, (1024, 4096), _ANY_ROWS), (True, (4096, 8192), (0, 65536)),
+            (False, (1024, 2048), (262144, math.inf))],
+    "h128": [(True, (4096, 8192), (0, 65536))],
+}
+_MOSAIC_INFERS_FASTER = {
+    "h64": [(True, (3072, 4096), _ANY_ROWS), (True, (4096, 8192), (0, 65536)),
+            (False, (2048, 16384), (262144, math.inf))],
+    "h128": [(True, (4096, 16384), (0, 262144))],
+    "gqa_h128": [(True, (2048, 8192), _ANY_ROWS), (False, (2048, 8192), _ANY_ROWS)],
+}
 
 
 def _mosaic_faster_plain(args, rules) -> bool:
   kind = _plain_kind(args)
-  if kind is None or kind[0] not in rules:
+  if kind is None:
     return False
-  lo, hi = rules[kind[0]][bool(args["is_causal"])]
-  return lo <= kind[1] <= hi
+  name, t, rows = kind
+  return any(causal == bool(args["is_causal"]) and lo <= t <= hi
+             and fewest <= rows <= most
+             for causal, (lo, hi), (fewest, most) in rules.get(name, ()))
 
 
 def _jax_nn_function(args):
@@ -199,16 +224,12 @@ class CudnnDotProductAttention(base.DotProductAttention):
     # cuDNN steps aside for "mosaic" where that runs and was measured faster
     # (docs/benchmarks.md): with a bool mask (no bias) at head dims >= 128
     # (H200: forward 1.38x, forward+backward 1.15x; at 64 they tie), and for
-    # plain attention at head dim 64 at the lengths of
-    # `_MOSAIC_TRAINS_FASTER` (H100: forward+backward 1.01-1.18x causal,
-    # 1.02-1.08x not; H200: 1.04-1.12x causal).
+    # plain attention where `_MOSAIC_TRAINS_FASTER` says.
     return self._keeps(ba, _MOSAIC_TRAINS_FASTER)
 
   def preferred_for_inference(self, ba):
-    # Without a gradient: the mask rule, plain head dim 64 and plain GQA at
-    # head dim 128 at the lengths of `_MOSAIC_INFERS_FASTER` (head dim 64,
-    # H100: forward 1.03-1.04x causal, 1.05-1.14x not; GQA H128, H200:
-    # 1.02-1.06x).
+    # Without a gradient: the mask rule, and plain attention where
+    # `_MOSAIC_INFERS_FASTER` says.
     return self._keeps(ba, _MOSAIC_INFERS_FASTER)
 
   def _keeps(self, ba, plain_rules) -> bool:
