@@ -229,6 +229,18 @@ if [[ $what == pending ]]; then
        timeout ${FB128_S:-150} python3 benchmarks/attention_length_scaling.py "$OUT/fb_h128_8192" \
          ${ROUNDS:-3} 128 8192 forward_and_vjp 2>&1 | grep -v "cuda_timer\|Delay kernel" \
          | tee "$OUT/fb_h128_8192/log.txt" | tail -6 ;;
+    # 28 (2026-12-07 02:50): the small-grid rules of implementation=None
+    # (ran on an H100 only): the dispatch GPU tests, then "mosaic" against
+    # cuDNN at batch 1 (BATCH), head dims 128 and 64, N8 and N16,
+    # forward+backward then forward, causal and not (about 9 min for both
+    # head dims: SMALL_H=128, then SMALL_H=64 in a second call).
+    28) pt ${TEST_S:-150} tests/test_dispatch.py | tee "$OUT/pending_28_tests.log"
+       for h in ${SMALL_H:-128 64}; do for n in 8 16; do for mode in forward_and_vjp forward; do
+         d="$OUT/small_h${h}_n${n}_$mode"; mkdir -p "$d"
+         BATCH=1 timeout ${SMALL_S:-70} python3 benchmarks/attention_length_scaling.py "$d" \
+           ${ROUNDS:-3} $h ${LENS:-4096,8192} $mode $n 2>&1 \
+           | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
+       done; done; done ;;
     # 27 (2026-12-06 20:40): GQA at head dim 128 (N32 K8) against sequence
     # length, forward then forward+backward, causal and not: "mosaic" was
     # 1.05x cuDNN forward and 1.00-1.06x forward+backward at T 4096 causal in
