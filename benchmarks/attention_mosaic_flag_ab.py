@@ -31,6 +31,8 @@ SHAPES = {  # label: ((B, T, N, K, H), causal flags)
     "seed B32 T2048 N16 H64": ((32, 2048, 16, 16, 64), (False, True)),
     "B8 T4096 N16 H128": ((8, 4096, 16, 16, 128), (False, True)),
     "GQA B4 T4096 N32 K8 H128": ((4, 4096, 32, 8, 128), (True,)),
+    # A small grid (32768 rows), where cuDNN wins non-causal (2026-12-07).
+    "small B1 T4096 N8 H64": ((1, 4096, 8, 8, 64), (False,)),
 }
 
 
