@@ -355,20 +355,25 @@ def test_mask_at_head_dim_128_prefers_mosaic_over_cudnn():
     assert op.preferred(op.bind(q128, q128, q128, mask=mask))
 
 
-def _cudnn_keeps(op, q_shape, kv_shape=None, **kw):
-  """(cuDNN preferred with a gradient, without one) for bf16 q, k, v of these
-  shapes, traced abstractly (grids of millions of rows cost no memory)."""
+def _on_abstract(fn, q_shape, kv_shape=None):
+  """fn(q, k, v) on abstract bf16 q, k, v of these shapes (grids of millions
+  of rows cost no memory); fn returns a Python value, not an array."""
   kv_shape = kv_shape or q_shape
   seen = []
-
-  def f(q, k, v):
-    ba = op.bind(q, k, v, **kw)
-    seen.append((op.preferred(ba), op.preferred_for_inference(ba)))
-    return q
-
-  jax.eval_shape(f, *(jax.ShapeDtypeStruct(s, jnp.bfloat16)
-                      for s in (q_shape, kv_shape, kv_shape)))
+  jax.eval_shape(lambda q, k, v: seen.append(fn(q, k, v)) or q,
+                 *(jax.ShapeDtypeStruct(s, jnp.bfloat16)
+                   for s in (q_shape, kv_shape, kv_shape)))
   return seen[0]
+
+
+def _cudnn_keeps(op, q_shape, kv_shape=None, **kw):
+  """(cuDNN preferred with a gradient, without one) for abstract q, k, v."""
+
+  def keeps(q, k, v):
+    ba = op.bind(q, k, v, **kw)
+    return op.preferred(ba), op.preferred_for_inference(ba)
+
+  return _on_abstract(keeps, q_shape, kv_shape)
 
 
 _ROWS = 2**20  # B·N·T of the 65536-token N16 sweeps behind the length rules
@@ -495,17 +500,9 @@ def test_none_picks_per_mode_between_mosaic_and_cudnn(monkeypatch):
   monkeypatch.setattr(cudnn.CudnnDotProductAttention, "check_supported",
                       lambda self, ba: None)
 
-  def select(q_shape, kv_shape=None, **kw):
-    seen = []
-
-    def f(q, k, v):
-      seen.append(dispatch.select("dot_product_attention", None, (q, k, v), kw).op)
-      return q
-
-    kv_shape = kv_shape or q_shape
-    jax.eval_shape(f, *(jax.ShapeDtypeStruct(s, jnp.bfloat16)
-                        for s in (q_shape, kv_shape, kv_shape)))
-    return seen[0]
+  select = lambda q_shape, kv_shape=None, **kw: _on_abstract(
+      lambda q, k, v: dispatch.select("dot_product_attention", None, (q, k, v), kw).op,
+      q_shape, kv_shape)
 
   rows_of = lambda t: (_ROWS // (2 * t), t, 2, 64)
   with tokamax.config.cross_compile("NVIDIA H200"):
