@@ -233,14 +233,23 @@ if [[ $what == pending ]]; then
     # (ran on an H100 only): the dispatch GPU tests, then "mosaic" against
     # cuDNN at batch 1 (BATCH), head dims 128 and 64, N8 and N16,
     # forward+backward then forward, causal and not (about 9 min for both
-    # head dims: SMALL_H=128, then SMALL_H=64 in a second call).
+    # head dims: SMALL_H=128, then SMALL_H=64 in a second call; SMALL_H=""
+    # runs the tests only).
     28) pt ${TEST_S:-150} tests/test_dispatch.py | tee "$OUT/pending_28_tests.log"
-       for h in ${SMALL_H:-128 64}; do for n in 8 16; do for mode in forward_and_vjp forward; do
+       for h in ${SMALL_H-128 64}; do for n in 8 16; do for mode in forward_and_vjp forward; do
          d="$OUT/small_h${h}_n${n}_$mode"; mkdir -p "$d"
          BATCH=1 timeout ${SMALL_S:-70} python3 benchmarks/attention_length_scaling.py "$d" \
            ${ROUNDS:-3} $h ${LENS:-4096,8192} $mode $n 2>&1 \
            | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
        done; done; done ;;
+    # 29 (2026-12-07 04:45): the persistent forward's last wave on small
+    # non-causal head-dim-64 grids: three consumers (192-row tiles, the
+    # heuristic's) against two (128-row tiles) at 16384-131072 rows, where
+    # the tile count against 132 CTAs decides how full the last round is.
+    29) mkdir -p "$OUT/small_wave"
+       timeout ${AB_S:-240} python3 benchmarks/attention_mosaic_config_ab.py "$OUT/small_wave" \
+         ${CONFIGS:-64.128.2.3.1,64.128.2.2.1} "${SHAPES:-small}" ${ROUNDS:-3} 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/small_wave/log.txt" | grep "^{" ;;
     # 27 (2026-12-06 20:40): GQA at head dim 128 (N32 K8) against sequence
     # length, forward then forward+backward, causal and not: "mosaic" was
     # 1.05x cuDNN forward and 1.00-1.06x forward+backward at T 4096 causal in
