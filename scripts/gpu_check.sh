@@ -250,6 +250,12 @@ if [[ $what == pending ]]; then
        timeout ${AB_S:-240} python3 benchmarks/attention_mosaic_config_ab.py "$OUT/small_wave" \
          ${CONFIGS:-64.128.2.3.1,64.128.2.2.1} "${SHAPES:-small}" ${ROUNDS:-3} 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/small_wave/log.txt" | grep "^{" ;;
+    # 29b: the same for the dq kernel (three consumers over 64-key steps at
+    # head dim 64, persistent non-causal), per kernel beside cuDNN.
+    29b) mkdir -p "$OUT/small_wave_dq"
+       PAUSE_S=1 timeout ${AB_S:-240} python3 benchmarks/attention_variance.py \
+         "$OUT/small_wave_dq" ${ROUNDS:-3} "small non-causal" vjp.dq_consumers 3,2 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel\|^{" | cut -c1-160 | tail -45 ;;
     # 27 (2026-12-06 20:40): GQA at head dim 128 (N32 K8) against sequence
     # length, forward then forward+backward, causal and not: "mosaic" was
     # 1.05x cuDNN forward and 1.00-1.06x forward+backward at T 4096 causal in
