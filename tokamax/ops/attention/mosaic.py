@@ -210,10 +210,6 @@ BAND_ONE_MAX_WAVES = 16
 # CTAs of a persistent forward (`MosaicAttentionConfig.persistent`): one per
 # SM (a forward CTA takes a whole SM's registers).
 PERSISTENT_CTAS = triton.SMS
-# Time per query row of the forward with two consumers against three at head
-# dim 64 (`_forward_consumers`): seed shape 1.265 against 1.135 ms (H200,
-# 2026-12-03), both many rounds deep.
-TWO_CONSUMERS_ROW_COST = 1.12
 # Kernels ("fwd", "dq") whose causal/right-window query tiles start
 # `_row_shift` rows before row 0, so that the tile left partial by
 # T % (consumers x block_q) rows is the first (1-2 key blocks) instead of
@@ -1754,40 +1750,17 @@ def _fits(c: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int) -> bool:
   return smem_bytes(c, hp, hvp, itemsize) <= pallas_mosaic.SMEM_BYTES
 
 
-def _rounds(t: int, grid: int, nc: int) -> int:
-  """Rounds of query tiles (nc x 64 rows) of `grid` (batch, head) pairs of
-  T rows over PERSISTENT_CTAS CTAs."""
-  return -(-grid * -(-t // (nc * 64)) // PERSISTENT_CTAS)
-
-
-def _forward_consumers(t: int, hvp: int, tiles: bool, grid: int, banded: bool) -> int:
-  """Three consumers where the O accumulator is small (value head dims <=
-  64) and no bias/mask `tiles` ride along, else two; but two also where
-  their smaller tiles fill the last round enough to win (`grid`: batch x
-  heads, 0 unknown; equal tiles only, not `banded`). Cost per round:
-  rows x TWO_CONSUMERS_ROW_COST for two against rows for three."""
-  if hvp > 64 or tiles:
-    return 2
-  if grid and not banded:
-    two = _rounds(t, grid, 2) * 2 * TWO_CONSUMERS_ROW_COST
-    if two < _rounds(t, grid, 3) * 3:
-      return 2
-  return 3
-
-
 def heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
-                     tiles: bool = False, grid: int = 0,
-                     banded: bool = True) -> MosaicAttentionConfig:
+                     tiles: bool = False) -> MosaicAttentionConfig:
   """The fastest H200 configs (docs/benchmarks.md): 64 rows per consumer,
   128-key steps and a 2-deep ring where shared memory allows; three
   consumers where the O accumulator is small (value head dims <= 64: seed
   shape 1.27 -> 1.14 ms), two above (at 152 registers a third spills) and
   with bias/mask `tiles` (held in registers a step ahead; three consumers
-  not measured there) or where few tiles leave the last round part empty
-  (`_forward_consumers`); persistent where its O buffer fits (H200,
+  not measured there); persistent where its O buffer fits (H200,
   2026-12-05: forward 1.4-4.5 % faster at every benchmark shape)."""
-  del s
-  nc = _forward_consumers(t, hvp, tiles, grid, banded)
+  del t, s
+  nc = 3 if hvp <= 64 and not tiles else 2
   for bk, persistent in itertools.product((128, 64), (True, False)):
     c = MosaicAttentionConfig(block_q=64, block_kv=bk, num_stages=2, consumers=nc,
                               persistent=persistent)
@@ -1926,12 +1899,6 @@ def _kv_pairs(ba: op_lib.BoundArguments) -> int:
   return k.shape[0] * k.shape[2]
 
 
-def _grid(ba: op_lib.BoundArguments) -> int:
-  """(batch, query head) pairs: the forward's grid is these x query tiles."""
-  q = ba.arguments["query"]
-  return q.shape[0] * q.shape[2]
-
-
 def _banded(ba: op_lib.BoundArguments) -> bool:
   """Whether a causal mask or a window bounds the keys each row sees (tiles
   of unequal work)."""
@@ -1986,8 +1953,7 @@ class MosaicDotProductAttention(_MosaicAttentionMixin, base.DotProductAttention)
   )
 
   def _get_heuristics_config(self, ba):
-    return heuristic_config(*_shape(ba), tiles=_has_tiles(ba), grid=_grid(ba),
-                            banded=_banded(ba))
+    return heuristic_config(*_shape(ba), tiles=_has_tiles(ba))
 
   def _get_autotuning_configs(self, ba):
     return search_space(*_shape(ba), tiles=_has_tiles(ba))
