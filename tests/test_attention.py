@@ -1249,6 +1249,40 @@ def test_mosaic_consumers_by_head_dim_and_tiles():
           assert not tiles and c.block_q == 64 and c.block_q * (c.block_kv + hv) <= 96 * 128
 
 
+@pytest.mark.parametrize("t, grid, banded, consumers", [
+    (2048, 32 * 16, False, 3),  # seed shape: 43 rounds of 192 rows
+    (4096, 8, False, 2),  # 176 tiles of 192 rows: 2 rounds; 256 of 128: 2
+    (2048, 8, False, 2),  # one round either way (25 % faster, H100)
+    (4096, 16, False, 2),  # 4 rounds of 128 rows against 3 of 192: 8.96 < 9
+    (4096, 8, True, 3),  # causal tiles are unequal: no rounds to count
+    (4096, 0, False, 3),  # grid unknown
+])
+def test_mosaic_forward_consumers_by_rounds(t, grid, banded, consumers):
+  """Two consumers at head dim 64 where three would leave the last round of
+  tiles part empty and two cost fewer rows x time per row."""
+  c = mosaic_attn.heuristic_config(t, t, 64, 64, 2, grid=grid, banded=banded)
+  assert c.consumers == consumers
+  assert mosaic_attn.heuristic_config(t, t, 64, 128, 2, grid=grid,
+                                      banded=banded).consumers == 2
+
+
+@pytest.mark.parametrize("t, q_pairs, banded, consumers", [
+    (2048, 32 * 16, False, 3),  # seed shape: 43 rounds of 192 rows
+    (4096, 16, False, 3),  # 3 rounds of 192 rows against 4 of 128: 9 < 9.36
+    (4096, 8, False, 2),  # 2 rounds either way (dq 25 % faster, H100)
+    (2048, 8, False, 2),  # one round either way (dq 23 % faster, H100)
+    (4096, 8, True, 3),  # causal: the dq kernel is not persistent
+    (4096, 0, False, 3),  # grid unknown
+])
+def test_mosaic_dq_consumers_by_rounds(t, q_pairs, banded, consumers):
+  """The dq kernel: two consumers at head dim 64 where three would leave the
+  last round of its persistent grid part empty; two above head dim 64."""
+  c = mosaic_attn.vjp_heuristic_config(t, t, 64, 64, 2, banded, 8, q_pairs)
+  assert c.dq_consumers == consumers
+  assert mosaic_attn.vjp_heuristic_config(t, t, 128, 128, 2, banded, 8,
+                                          q_pairs).dq_consumers == 2
+
+
 @pytest.mark.parametrize("h", [64, 128, 256])
 @pytest.mark.parametrize("batch", [1, 32])
 @pytest.mark.parametrize("kwargs, banded", [

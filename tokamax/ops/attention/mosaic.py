@@ -210,6 +210,13 @@ BAND_ONE_MAX_WAVES = 16
 # CTAs of a persistent forward (`MosaicAttentionConfig.persistent`): one per
 # SM (a forward CTA takes a whole SM's registers).
 PERSISTENT_CTAS = triton.SMS
+# Time per query row with two consumers against three at head dim 64, for
+# `_consumers_by_rounds`. Forward: seed shape 1.265 against 1.135 ms (H200,
+# 2026-12-03), both many rounds deep; at five small grids (H100, 2026-12-07)
+# it picks the faster of the two at each. dq kernel: 1.13-1.18 fitted to
+# three small grids (H100, 2026-12-07), each picked right at 1.17.
+TWO_CONSUMERS_ROW_COST = 1.12
+DQ_TWO_CONSUMERS_ROW_COST = 1.17
 # Kernels ("fwd", "dq") whose causal/right-window query tiles start
 # `_row_shift` rows before row 0, so that the tile left partial by
 # T % (consumers x block_q) rows is the first (1-2 key blocks) instead of
@@ -1750,17 +1757,47 @@ def _fits(c: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int) -> bool:
   return smem_bytes(c, hp, hvp, itemsize) <= pallas_mosaic.SMEM_BYTES
 
 
+def _rounds(t: int, grid: int, nc: int) -> int:
+  """Rounds of query tiles (nc x 64 rows) of `grid` (batch, head) pairs of
+  T rows over PERSISTENT_CTAS CTAs."""
+  return -(-grid * -(-t // (nc * 64)) // PERSISTENT_CTAS)
+
+
+def _consumers_by_rounds(t: int, grid: int, row_cost: float) -> int:
+  """2 where two consumers' smaller tiles fill the last round of a
+  persistent kernel enough to win, else 3. Cost: rounds x rows per tile,
+  times `row_cost` (a row's time with two consumers against three) for two.
+  For equal tiles only (not causal, no window); grid: batch x query heads."""
+  if _rounds(t, grid, 2) * 2 * row_cost < _rounds(t, grid, 3) * 3:
+    return 2
+  return 3
+
+
+def _forward_consumers(t: int, hvp: int, tiles: bool, grid: int, banded: bool) -> int:
+  """Three consumers where the O accumulator is small (value head dims <=
+  64) and no bias/mask `tiles` ride along, else two; but two also where
+  their smaller tiles fill the last round enough to win (`grid`: batch x
+  heads, 0 unknown; equal tiles only, not `banded`)."""
+  if hvp > 64 or tiles:
+    return 2
+  if grid and not banded:
+    return _consumers_by_rounds(t, grid, TWO_CONSUMERS_ROW_COST)
+  return 3
+
+
 def heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
-                     tiles: bool = False) -> MosaicAttentionConfig:
+                     tiles: bool = False, grid: int = 0,
+                     banded: bool = True) -> MosaicAttentionConfig:
   """The fastest H200 configs (docs/benchmarks.md): 64 rows per consumer,
   128-key steps and a 2-deep ring where shared memory allows; three
   consumers where the O accumulator is small (value head dims <= 64: seed
   shape 1.27 -> 1.14 ms), two above (at 152 registers a third spills) and
   with bias/mask `tiles` (held in registers a step ahead; three consumers
-  not measured there); persistent where its O buffer fits (H200,
+  not measured there) or where few tiles leave the last round part empty
+  (`_forward_consumers`); persistent where its O buffer fits (H200,
   2026-12-05: forward 1.4-4.5 % faster at every benchmark shape)."""
-  del t, s
-  nc = 3 if hvp <= 64 and not tiles else 2
+  del s
+  nc = _forward_consumers(t, hvp, tiles, grid, banded)
   for bk, persistent in itertools.product((128, 64), (True, False)):
     c = MosaicAttentionConfig(block_q=64, block_kv=bk, num_stages=2, consumers=nc,
                               persistent=persistent)
@@ -1833,8 +1870,8 @@ def _with_persistence(c: MosaicAttentionVjpConfig, s: int, hp: int, hvp: int,
 
 
 def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
-                         banded: bool = True, kv_pairs: int = 1
-                         ) -> MosaicAttentionVjpConfig:
+                         banded: bool = True, kv_pairs: int = 1,
+                         q_pairs: int = 0) -> MosaicAttentionVjpConfig:
   """64-row tiles with the deepest ring (up to 2) that fits shared memory;
   at head dim 64 the dq kernel runs three consumers over 64-key steps (seed
   shape forward+backward 2.78 -> 2.70 ms causal, 4.86 -> 4.68-4.75 ms not,
@@ -1843,9 +1880,13 @@ def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
   tiles `banded` (H200 2026-12-05: dq 5 % faster at the seed shape, 2 % at
   H128, non-causal; 1-4 % slower causal) and its dq buffer fits; the dk/dv
   kernel at head dims up to 64 (`_dkdv_persistent`; kv_pairs: batch x kv
-  heads)."""
-  del t
+  heads). Two dq consumers also where, on few equal tiles, their smaller
+  tiles fill the last round enough to win (`_consumers_by_rounds`; q_pairs:
+  batch x query heads, 0 unknown; H100 2026-12-07: dq 23-25 % faster at
+  B1 N8 T2048/T4096)."""
   dq_nc = 3 if hp + hvp <= 128 else 2
+  if dq_nc == 3 and q_pairs and not banded:
+    dq_nc = _consumers_by_rounds(t, q_pairs, DQ_TWO_CONSUMERS_ROW_COST)
   for stages in (2, 1):
     c = _with_persistence(
         MosaicAttentionVjpConfig(num_stages=stages, dq_num_stages=stages,
@@ -1899,6 +1940,12 @@ def _kv_pairs(ba: op_lib.BoundArguments) -> int:
   return k.shape[0] * k.shape[2]
 
 
+def _grid(ba: op_lib.BoundArguments) -> int:
+  """(batch, query head) pairs: the forward's grid is these x query tiles."""
+  q = ba.arguments["query"]
+  return q.shape[0] * q.shape[2]
+
+
 def _banded(ba: op_lib.BoundArguments) -> bool:
   """Whether a causal mask or a window bounds the keys each row sees (tiles
   of unequal work)."""
@@ -1929,7 +1976,7 @@ class MosaicDotProductAttentionVjp(_MosaicAttentionMixin, base.DotProductAttenti
 
   def _get_heuristics_config(self, ba):
     return vjp_heuristic_config(*_shape(ba), banded=_banded(ba),
-                                kv_pairs=_kv_pairs(ba))
+                                kv_pairs=_kv_pairs(ba), q_pairs=_grid(ba))
 
   def _get_autotuning_configs(self, ba):
     return vjp_search_space(*_shape(ba), banded=_banded(ba), kv_pairs=_kv_pairs(ba))
@@ -1953,7 +2000,8 @@ class MosaicDotProductAttention(_MosaicAttentionMixin, base.DotProductAttention)
   )
 
   def _get_heuristics_config(self, ba):
-    return heuristic_config(*_shape(ba), tiles=_has_tiles(ba))
+    return heuristic_config(*_shape(ba), tiles=_has_tiles(ba), grid=_grid(ba),
+                            banded=_banded(ba))
 
   def _get_autotuning_configs(self, ba):
     return search_space(*_shape(ba), tiles=_has_tiles(ba))
