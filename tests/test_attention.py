@@ -1301,8 +1301,11 @@ def test_mosaic_vjp_persistent_rules(h, batch, kwargs, banded):
   assert heuristic.dq_persistent == (not banded and h < 256)
   assert heuristic.dkdv_persistent == (h == 64 and (not banded or batch == 32))
   assert heuristic == mosaic_attn.vjp_heuristic_config(
-      2048, 2048, h, h, 2, banded, batch * 16)
-  assert dataclasses.replace(heuristic, dq_persistent=False, dkdv_persistent=False) == (
+      2048, 2048, h, h, 2, banded, batch * 16, batch * 16)
+  # Batch 1 non-causal at head dim 64: two dq consumers (2 rounds either way).
+  assert (heuristic.dq_consumers == 2) == (h > 64 or (batch == 1 and not banded))
+  assert dataclasses.replace(heuristic, dq_persistent=False, dkdv_persistent=False,
+                             dq_consumers=3 if h == 64 else 2) == (
       mosaic_attn.vjp_heuristic_config(2048, 2048, h, h, 2, True))
   space = vjp._get_autotuning_configs(ba)
   assert heuristic in space
