@@ -32,10 +32,13 @@ SHAPES = {  # label: ((B, T, N, K, H), causal flags)
     "B8 T4096 N16 H128": ((8, 4096, 16, 16, 128), (False, True)),
     "GQA B4 T4096 N32 K8 H128": ((4, 4096, 32, 8, 128), (True,)),
     # A small grid (32768 rows), where cuDNN wins non-causal (2026-12-07).
-    "small B1 T4096 N8 H64": ((1, 4096, 8, 8, 64), (False,)),
+    "small B1 T4096 N8 H64": ((1, 4096, 8, 8, 64), (False, True)),
     # More small grids for the forward's last wave (query tiles of
     # consumers x 64 rows against 132 CTAs): 16384 to 131072 rows.
-    "small B1 T2048 N8 H64": ((1, 2048, 8, 8, 64), (False,)),
+    "small B1 T2048 N8 H64": ((1, 2048, 8, 8, 64), (False, True)),
+    # Causal grids of one round (<= 132 query tiles of 128 rows), where the
+    # longest (last) tile sets the time.
+    "small B1 T1024 N16 H64": ((1, 1024, 16, 16, 64), (True,)),
     "small B1 T4096 N16 H64": ((1, 4096, 16, 16, 64), (False,)),
     "small B1 T8192 N8 H64": ((1, 8192, 8, 8, 64), (False,)),
     "small B2 T4096 N16 H64": ((2, 4096, 16, 16, 64), (False,)),

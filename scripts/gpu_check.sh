@@ -254,7 +254,7 @@ if [[ $what == pending ]]; then
     # head dim 64, persistent non-causal), per kernel beside cuDNN.
     29b) mkdir -p "$OUT/small_wave_dq"
        PAUSE_S=1 timeout ${AB_S:-240} python3 benchmarks/attention_variance.py \
-         "$OUT/small_wave_dq" ${ROUNDS:-3} "small non-causal" vjp.dq_consumers 3,2 2>&1 \
+         "$OUT/small_wave_dq" ${ROUNDS:-3} "${DQ_SHAPES:-small non-causal}" vjp.dq_consumers 3,2 2>&1 \
          | grep -v "cuda_timer\|Delay kernel\|^{" | cut -c1-160 | tail -45 ;;
     # 27 (2026-12-06 20:40): GQA at head dim 128 (N32 K8) against sequence
     # length, forward then forward+backward, causal and not: "mosaic" was
