@@ -39,7 +39,7 @@ SHAPES = {  # label: ((B, T, N, K, H), causal flags)
     # Causal grids of one round (<= 132 query tiles of 128 rows), where the
     # longest (last) tile sets the time.
     "small B1 T1024 N16 H64": ((1, 1024, 16, 16, 64), (True,)),
-    "small B1 T4096 N16 H64": ((1, 4096, 16, 16, 64), (False,)),
+    "small B1 T4096 N16 H64": ((1, 4096, 16, 16, 64), (False, True)),
     "small B1 T8192 N8 H64": ((1, 8192, 8, 8, 64), (False,)),
     "small B2 T4096 N16 H64": ((2, 4096, 16, 16, 64), (False,)),
 }

@@ -70,6 +70,8 @@ SHAPES = {  # label: (B, T, N, K, H, causal)
     # persistent causal): the longest tile sets the time.
     "small causal B1 T2048 N8 H64": (1, 2048, 8, 8, 64, True),
     "small causal B1 T1024 N16 H64": (1, 1024, 16, 16, 64, True),
+    "small causal B1 T4096 N8 H64": (1, 4096, 8, 8, 64, True),  # 2 waves
+    "small causal B1 T4096 N16 H64": (1, 4096, 16, 16, 64, True),  # 4 waves
 }
 CALLS = 20
 MIN_KERNEL_MS = 0.01  # kernels shorter than this are left out of the printouts

@@ -1254,12 +1254,15 @@ def test_mosaic_consumers_by_head_dim_and_tiles():
     (4096, 8, False, 2),  # 176 tiles of 192 rows: 2 rounds; 256 of 128: 2
     (2048, 8, False, 2),  # one round either way (25 % faster, H100)
     (4096, 16, False, 2),  # 4 rounds of 128 rows against 3 of 192: 8.96 < 9
-    (4096, 8, True, 3),  # causal tiles are unequal: no rounds to count
+    (4096, 8, True, 2),  # causal, 2 rounds either way (22 % faster, H100)
+    (4096, 16, True, 3),  # causal, 4 rounds of 128 rows: unequal tiles even out
+    (2048, 32 * 16, True, 3),  # seed shape causal
     (4096, 0, False, 3),  # grid unknown
 ])
 def test_mosaic_forward_consumers_by_rounds(t, grid, banded, consumers):
   """Two consumers at head dim 64 where three would leave the last round of
-  tiles part empty and two cost fewer rows x time per row."""
+  tiles part empty and two cost fewer rows x time per row (causal: within
+  BANDED_MAX_ROUNDS rounds)."""
   c = mosaic_attn.heuristic_config(t, t, 64, 64, 2, grid=grid, banded=banded)
   assert c.consumers == consumers
   assert mosaic_attn.heuristic_config(t, t, 64, 128, 2, grid=grid,
@@ -1271,12 +1274,13 @@ def test_mosaic_forward_consumers_by_rounds(t, grid, banded, consumers):
     (4096, 16, False, 3),  # 3 rounds of 192 rows against 4 of 128: 9 < 9.36
     (4096, 8, False, 2),  # 2 rounds either way (dq 25 % faster, H100)
     (2048, 8, False, 2),  # one round either way (dq 23 % faster, H100)
-    (4096, 8, True, 3),  # causal: the dq kernel is not persistent
+    (1024, 16, True, 2),  # causal, one wave either way (dq 17 % faster, H100)
+    (4096, 16, True, 3),  # causal, 4 waves of 128-row tiles
     (4096, 0, False, 3),  # grid unknown
 ])
 def test_mosaic_dq_consumers_by_rounds(t, q_pairs, banded, consumers):
   """The dq kernel: two consumers at head dim 64 where three would leave the
-  last round of its persistent grid part empty; two above head dim 64."""
+  last round (wave, causal) of its tiles part empty; two above head dim 64."""
   c = mosaic_attn.vjp_heuristic_config(t, t, 64, 64, 2, banded, 8, q_pairs)
   assert c.dq_consumers == consumers
   assert mosaic_attn.vjp_heuristic_config(t, t, 128, 128, 2, banded, 8,
@@ -1302,8 +1306,8 @@ def test_mosaic_vjp_persistent_rules(h, batch, kwargs, banded):
   assert heuristic.dkdv_persistent == (h == 64 and (not banded or batch == 32))
   assert heuristic == mosaic_attn.vjp_heuristic_config(
       2048, 2048, h, h, 2, banded, batch * 16, batch * 16)
-  # Batch 1 non-causal at head dim 64: two dq consumers (2 rounds either way).
-  assert (heuristic.dq_consumers == 2) == (h > 64 or (batch == 1 and not banded))
+  # Batch 1 at head dim 64: two dq consumers (2 rounds either way).
+  assert (heuristic.dq_consumers == 2) == (h > 64 or batch == 1)
   assert dataclasses.replace(heuristic, dq_persistent=False, dkdv_persistent=False,
                              dq_consumers=3 if h == 64 else 2) == (
       mosaic_attn.vjp_heuristic_config(2048, 2048, h, h, 2, True))

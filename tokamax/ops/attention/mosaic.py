@@ -217,6 +217,12 @@ PERSISTENT_CTAS = triton.SMS
 # three small grids (H100, 2026-12-07), each picked right at 1.17.
 TWO_CONSUMERS_ROW_COST = 1.12
 DQ_TWO_CONSUMERS_ROW_COST = 1.17
+# Causal or windowed (banded) tiles are unequal: `_consumers_by_rounds`
+# counts rounds for them only up to this many rounds of 128-row tiles, where
+# the longest tiles set the time (H100 2026-12-07: two consumers 21-22 %
+# faster forward, 17-20 % dq, at 1-2 rounds); deeper, three consumers (seed
+# shape causal, H200 2026-12-03).
+BANDED_MAX_ROUNDS = 2
 # Kernels ("fwd", "dq") whose causal/right-window query tiles start
 # `_row_shift` rows before row 0, so that the tile left partial by
 # T % (consumers x block_q) rows is the first (1-2 key blocks) instead of
@@ -1763,11 +1769,13 @@ def _rounds(t: int, grid: int, nc: int) -> int:
   return -(-grid * -(-t // (nc * 64)) // PERSISTENT_CTAS)
 
 
-def _consumers_by_rounds(t: int, grid: int, row_cost: float) -> int:
-  """2 where two consumers' smaller tiles fill the last round of a
-  persistent kernel enough to win, else 3. Cost: rounds x rows per tile,
-  times `row_cost` (a row's time with two consumers against three) for two.
-  For equal tiles only (not causal, no window); grid: batch x query heads."""
+def _consumers_by_rounds(t: int, grid: int, row_cost: float, banded: bool) -> int:
+  """2 where two consumers' smaller tiles fill the last round of tiles
+  enough to win, else 3. Cost: rounds x rows per tile, times `row_cost` (a
+  row's time with two consumers against three) for two. grid: batch x query
+  heads, 0 unknown (3); banded tiles only up to BANDED_MAX_ROUNDS rounds."""
+  if not grid or (banded and _rounds(t, grid, 2) > BANDED_MAX_ROUNDS):
+    return 3
   if _rounds(t, grid, 2) * 2 * row_cost < _rounds(t, grid, 3) * 3:
     return 2
   return 3
@@ -1776,13 +1784,11 @@ def _consumers_by_rounds(t: int, grid: int, row_cost: float) -> int:
 def _forward_consumers(t: int, hvp: int, tiles: bool, grid: int, banded: bool) -> int:
   """Three consumers where the O accumulator is small (value head dims <=
   64) and no bias/mask `tiles` ride along, else two; but two also where
-  their smaller tiles fill the last round enough to win (`grid`: batch x
-  heads, 0 unknown; equal tiles only, not `banded`)."""
+  their smaller tiles fill the last round enough to win
+  (`_consumers_by_rounds`)."""
   if hvp > 64 or tiles:
     return 2
-  if grid and not banded:
-    return _consumers_by_rounds(t, grid, TWO_CONSUMERS_ROW_COST)
-  return 3
+  return _consumers_by_rounds(t, grid, TWO_CONSUMERS_ROW_COST, banded)
 
 
 def heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
@@ -1883,10 +1889,10 @@ def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
   heads). Two dq consumers also where, on few equal tiles, their smaller
   tiles fill the last round enough to win (`_consumers_by_rounds`; q_pairs:
   batch x query heads, 0 unknown; H100 2026-12-07: dq 23-25 % faster at
-  B1 N8 T2048/T4096)."""
+  B1 N8 T2048/T4096, 17-20 % causal at B1 T2048 N8 and T1024 N16)."""
   dq_nc = 3 if hp + hvp <= 128 else 2
-  if dq_nc == 3 and q_pairs and not banded:
-    dq_nc = _consumers_by_rounds(t, q_pairs, DQ_TWO_CONSUMERS_ROW_COST)
+  if dq_nc == 3:
+    dq_nc = _consumers_by_rounds(t, q_pairs, DQ_TWO_CONSUMERS_ROW_COST, banded)
   for stages in (2, 1):
     c = _with_persistence(
         MosaicAttentionVjpConfig(num_stages=stages, dq_num_stages=stages,
