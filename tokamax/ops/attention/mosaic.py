@@ -217,12 +217,9 @@ PERSISTENT_CTAS = triton.SMS
 # three small grids (H100, 2026-12-07), each picked right at 1.17.
 TWO_CONSUMERS_ROW_COST = 1.12
 DQ_TWO_CONSUMERS_ROW_COST = 1.17
-# Causal or windowed (banded) tiles are unequal: `_consumers_by_rounds`
-# counts rounds for them only up to this many rounds of 128-row tiles, where
-# the longest tiles set the time (H100 2026-12-07: two consumers 21-22 %
-# faster forward, 17-20 % dq, at 1-2 rounds); deeper, three consumers (seed
-# shape causal, H200 2026-12-03).
-BANDED_MAX_ROUNDS = 2
+# Causal or windowed (banded) tiles are unequal, yet the same rounds count
+# picked the faster at each of 4 causal grids forward (H100 2026-12-07: two
+# consumers 21-22 % faster at 1-2 rounds, 3 % at B1 T4096 N16) and 3 dq.
 # Kernels ("fwd", "dq") whose causal/right-window query tiles start
 # `_row_shift` rows before row 0, so that the tile left partial by
 # T % (consumers x block_q) rows is the first (1-2 key blocks) instead of
@@ -1769,41 +1766,38 @@ def _rounds(t: int, grid: int, nc: int) -> int:
   return -(-grid * -(-t // (nc * 64)) // PERSISTENT_CTAS)
 
 
-def _consumers_by_rounds(t: int, grid: int, row_cost: float, banded: bool) -> int:
+def _consumers_by_rounds(t: int, grid: int, row_cost: float) -> int:
   """2 where two consumers' smaller tiles fill the last round of tiles
   enough to win, else 3. Cost: rounds x rows per tile, times `row_cost` (a
   row's time with two consumers against three) for two. grid: batch x query
-  heads, 0 unknown (3); banded tiles only up to BANDED_MAX_ROUNDS rounds."""
-  if not grid or (banded and _rounds(t, grid, 2) > BANDED_MAX_ROUNDS):
-    return 3
-  if _rounds(t, grid, 2) * 2 * row_cost < _rounds(t, grid, 3) * 3:
+  heads, 0 unknown (3). Causal/windowed tiles too (measured up to 4 rounds)."""
+  if grid and _rounds(t, grid, 2) * 2 * row_cost < _rounds(t, grid, 3) * 3:
     return 2
   return 3
 
 
-def _forward_consumers(t: int, hvp: int, tiles: bool, grid: int, banded: bool) -> int:
+def _forward_consumers(t: int, hvp: int, tiles: bool, grid: int) -> int:
   """Three consumers where the O accumulator is small (value head dims <=
   64) and no bias/mask `tiles` ride along, else two; but two also where
   their smaller tiles fill the last round enough to win
   (`_consumers_by_rounds`)."""
   if hvp > 64 or tiles:
     return 2
-  return _consumers_by_rounds(t, grid, TWO_CONSUMERS_ROW_COST, banded)
+  return _consumers_by_rounds(t, grid, TWO_CONSUMERS_ROW_COST)
 
 
 def heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
-                     tiles: bool = False, grid: int = 0,
-                     banded: bool = True) -> MosaicAttentionConfig:
+                     tiles: bool = False, grid: int = 0) -> MosaicAttentionConfig:
   """The fastest H200 configs (docs/benchmarks.md): 64 rows per consumer,
   128-key steps and a 2-deep ring where shared memory allows; three
   consumers where the O accumulator is small (value head dims <= 64: seed
   shape 1.27 -> 1.14 ms), two above (at 152 registers a third spills) and
   with bias/mask `tiles` (held in registers a step ahead; three consumers
   not measured there) or where few tiles leave the last round part empty
-  (`_forward_consumers`); persistent where its O buffer fits (H200,
+  (`_forward_consumers`; grid: batch x query heads, 0 unknown); persistent where its O buffer fits (H200,
   2026-12-05: forward 1.4-4.5 % faster at every benchmark shape)."""
   del s
-  nc = _forward_consumers(t, hvp, tiles, grid, banded)
+  nc = _forward_consumers(t, hvp, tiles, grid)
   for bk, persistent in itertools.product((128, 64), (True, False)):
     c = MosaicAttentionConfig(block_q=64, block_kv=bk, num_stages=2, consumers=nc,
                               persistent=persistent)
@@ -1892,7 +1886,7 @@ def vjp_heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
   B1 N8 T2048/T4096, 17-20 % causal at B1 T2048 N8 and T1024 N16)."""
   dq_nc = 3 if hp + hvp <= 128 else 2
   if dq_nc == 3:
-    dq_nc = _consumers_by_rounds(t, q_pairs, DQ_TWO_CONSUMERS_ROW_COST, banded)
+    dq_nc = _consumers_by_rounds(t, q_pairs, DQ_TWO_CONSUMERS_ROW_COST)
   for stages in (2, 1):
     c = _with_persistence(
         MosaicAttentionVjpConfig(num_stages=stages, dq_num_stages=stages,
@@ -2006,8 +2000,7 @@ class MosaicDotProductAttention(_MosaicAttentionMixin, base.DotProductAttention)
   )
 
   def _get_heuristics_config(self, ba):
-    return heuristic_config(*_shape(ba), tiles=_has_tiles(ba), grid=_grid(ba),
-                            banded=_banded(ba))
+    return heuristic_config(*_shape(ba), tiles=_has_tiles(ba), grid=_grid(ba))
 
   def _get_autotuning_configs(self, ba):
     return search_space(*_shape(ba), tiles=_has_tiles(ba))
