@@ -242,6 +242,15 @@ if [[ $what == pending ]]; then
            ${ROUNDS:-3} $h ${LENS:-4096,8192} $mode $n 2>&1 \
            | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
        done; done; done ;;
+    # 30 (2026-12-07 08:40): head dim 64, N16, T 1024 and 2048, forward,
+    # causal and not, at B 1-32 (16384-1M rows) with the consumers-by-rounds
+    # heuristic: whether `_MOSAIC_INFERS_FASTER` (cudnn.py) should take
+    # causal T2048 ("mosaic" 1.45x at B1 N16, 0.98x at B1 N8 on an H100).
+    30) for b in ${BATCHES:-1 2 4 8 32}; do d="$OUT/causal_fwd_b$b"; mkdir -p "$d"
+         BATCH=$b timeout ${SMALL_S:-70} python3 benchmarks/attention_length_scaling.py "$d" \
+           ${ROUNDS:-3} 64 ${LENS:-1024,2048} forward 16 2>&1 \
+           | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
+       done ;;
     # 29 (2026-12-07 04:45): the persistent forward's last wave on small
     # non-causal head-dim-64 grids: three consumers (192-row tiles, the
     # heuristic's) against two (128-row tiles) at 16384-131072 rows, where
