@@ -90,7 +90,7 @@ def _fit(rows, h):
   for r in rows:
     if r["causal"]:
       continue
-    c = mosaic_attn.heuristic_config(r["t"], r["t"], h, h, 2)
+    c = mosaic_attn.heuristic_config(r["t"], r["t"], h, h, 2, grid=r["b"] * r["n"])
     tiles = r["b"] * r["n"] * -(-r["t"] // (c.consumers * c.block_q))
     counts.append((tiles, tiles * -(-r["t"] // c.block_kv)))
     times.append(r["mosaic_ms"] * 1e3 * sms)
