@@ -231,22 +231,33 @@ def test_user_cache_and_nearest_shape(resolved, tmp_path, caplog):
   assert chunked_configs(resolved) == [Config(q_chunk_size=72, kv_chunk_size=72)] * 2
 
 
-def test_nearest_shape_config_outside_the_search_space_is_not_taken(monkeypatch, resolved):
-  """At head dim 128 the shipped head-dim-64 "mosaic" attention config (three
-  consumer warpgroups, which spill there) is not borrowed by a call whose
-  scale matches the head-dim-64 entries; a call with no cached neighbour
-  inside its search space gets the heuristic config."""
+def test_mosaic_attention_takes_its_heuristic_not_the_nearest_shape(monkeypatch, resolved):
+  """borrows_nearest_config = False: an uncached "mosaic" attention call on
+  the H200 gets its per-shape heuristic configs (two consumers on a small
+  head-dim-64 grid), not the shipped seed shape's (three), forward and VJP;
+  the seed shape keeps three (shipped and heuristic agree there)."""
   from tokamax.ops.attention import mosaic as attention_mosaic
 
   monkeypatch.setattr(autotuning, "_SHIPPED_DIR", ROOT / "tokamax" / "data" / "autotuning")
-  q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
-  resolved.clear()
-  with tokamax.config.cross_compile("NVIDIA H200"):
-    jax.eval_shape(lambda q: tokamax.dot_product_attention(
-        q, q, q, scale=0.125, implementation="mosaic"), q)
-  (config,) = [c for cls, c in resolved if cls is attention_mosaic.MosaicDotProductAttention]
-  assert config.consumers == 2
-  assert config == attention_mosaic.heuristic_config(1024, 1024, 128, 128, 2)
+  fwd, vjp = attention_mosaic.MosaicDotProductAttention, attention_mosaic.MosaicDotProductAttentionVjp
+
+  def configs(shape):
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    f = lambda q: jnp.sum(tokamax.dot_product_attention(
+        q, q, q, implementation="mosaic").astype(jnp.float32))
+    resolved.clear()
+    with tokamax.config.cross_compile("NVIDIA H200"):
+      jax.eval_shape(jax.grad(f), q)
+    return ([c for cls, c in resolved if cls is fwd][0],
+            [c for cls, c in resolved if cls is vjp][0])
+
+  small, small_vjp = configs((1, 4096, 8, 64))
+  assert small == attention_mosaic.heuristic_config(4096, 4096, 64, 64, 2, grid=8)
+  assert small_vjp == attention_mosaic.vjp_heuristic_config(
+      4096, 4096, 64, 64, 2, False, 8, 8)
+  assert (small.consumers, small_vjp.dq_consumers) == (2, 2)
+  seed, seed_vjp = configs((32, 2048, 16, 64))  # shipped: three consumers
+  assert (seed.consumers, seed_vjp.dq_consumers) == (3, 3)
 
 
 def test_miss_logs_once_per_op(caplog):

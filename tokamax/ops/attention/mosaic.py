@@ -1958,7 +1958,14 @@ def _has_tiles(ba: op_lib.BoundArguments) -> bool:
 
 
 class _MosaicAttentionMixin:
-  """Support checks (shared by the forward and the VJP)."""
+  """Support checks and config lookup (shared by the forward and the VJP)."""
+
+  # The heuristics are per shape (consumers by rounds, persistence by tile
+  # counts) and equal the shipped H200 configs at their shapes, so an
+  # uncached shape takes its heuristic, not the nearest cached shape's: at
+  # B1 T4096 N8 H64 that would be the seed shape's three consumers, 0.71x
+  # cuDNN against 0.94x with two (H100 2026-12-07, docs/benchmarks.md).
+  borrows_nearest_config = False
 
   def supported_on(self, device) -> bool:
     return pallas_mosaic.supported_on(device)
