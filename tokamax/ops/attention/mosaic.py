@@ -212,14 +212,13 @@ BAND_ONE_MAX_WAVES = 16
 PERSISTENT_CTAS = triton.SMS
 # Time per query row with two consumers against three at head dim 64, for
 # `_consumers_by_rounds`. Forward: seed shape 1.265 against 1.135 ms (H200,
-# 2026-12-03), both many rounds deep; at five small grids (H100, 2026-12-07)
-# it picks the faster of the two at each. dq kernel: 1.13-1.18 fitted to
-# three small grids (H100, 2026-12-07), each picked right at 1.17.
+# 2026-12-03), both many rounds deep; with it the count picks the faster of
+# the two at 9 small grids, 4 of them causal (H100, 2026-12-07). dq kernel:
+# 1.13-1.17 fitted to three small non-causal grids; at 1.17 it picks the
+# faster at those and at 4 causal ones (H100, 2026-12-07). Causal tiles are
+# unequal, but at 1-2 rounds the longest tile sets the time either way.
 TWO_CONSUMERS_ROW_COST = 1.12
 DQ_TWO_CONSUMERS_ROW_COST = 1.17
-# Causal or windowed (banded) tiles are unequal, yet the same rounds count
-# picked the faster at each of 4 causal grids forward (H100 2026-12-07: two
-# consumers 21-22 % faster at 1-2 rounds, 3 % at B1 T4096 N16) and 3 dq.
 # Kernels ("fwd", "dq") whose causal/right-window query tiles start
 # `_row_shift` rows before row 0, so that the tile left partial by
 # T % (consumers x block_q) rows is the first (1-2 key blocks) instead of
@@ -1794,8 +1793,9 @@ def heuristic_config(t: int, s: int, hp: int, hvp: int, itemsize: int,
   shape 1.27 -> 1.14 ms), two above (at 152 registers a third spills) and
   with bias/mask `tiles` (held in registers a step ahead; three consumers
   not measured there) or where few tiles leave the last round part empty
-  (`_forward_consumers`; grid: batch x query heads, 0 unknown); persistent where its O buffer fits (H200,
-  2026-12-05: forward 1.4-4.5 % faster at every benchmark shape)."""
+  (`_forward_consumers`; grid: batch x query heads, 0 unknown); persistent
+  where its O buffer fits (H200, 2026-12-05: forward 1.4-4.5 % faster at
+  every benchmark shape)."""
   del s
   nc = _forward_consumers(t, hvp, tiles, grid)
   for bk, persistent in itertools.product((128, 64), (True, False)):
