@@ -1273,7 +1273,7 @@ def test_mosaic_forward_consumers_by_rounds(t, grid, consumers):
     (4096, 8, False, 2),  # 2 rounds either way (dq 25 % faster, H100)
     (2048, 8, False, 2),  # one round either way (dq 23 % faster, H100)
     (1024, 16, True, 2),  # causal, one wave either way (dq 17 % faster, H100)
-    (4096, 16, True, 3),  # causal, 4 waves against 3: 9 < 9.36 (dq 2 % faster)
+    (4096, 16, True, 3),  # causal, 4 waves against 3: 9 < 9.36 (three 2 % faster)
     (4096, 0, False, 3),  # grid unknown
 ])
 def test_mosaic_dq_consumers_by_rounds(t, q_pairs, banded, consumers):
