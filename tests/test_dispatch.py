@@ -418,8 +418,14 @@ def test_head_dim_64_prefers_mosaic_over_cudnn(causal, t):
 
 # (head dim, causal, T, rows = B·N·T) -> (cuDNN preferred with a gradient,
 # without one) on small grids, N8 (H100, docs/benchmarks.md 2026-12-07):
-# causal "mosaic" wins up to a row bound, non-causal cuDNN wins below one.
+# causal "mosaic" wins up to a row bound, non-causal cuDNN wins below one;
+# the causal forward at T 1024-2048 wins between two bounds (N16, 10:40).
 _SMALL_GRID_CUDNN_KEEPS = {
+    (64, True, 1024, 16384): (False, True),
+    (64, True, 1024, 131072): (False, False),
+    (64, True, 2048, 16384): (False, True),
+    (64, True, 2048, 32768): (False, False),
+    (64, True, 2048, 262144): (False, True),
     (64, True, 4096, 32768): (False, False),
     (64, True, 8192, 65536): (False, False),
     (64, True, 8192, 131072): (True, True),
@@ -456,12 +462,46 @@ def test_small_grids_choose_by_rows(h, causal, t, rows):
 
 # (causal, T) -> cuDNN preferred without a gradient for plain GQA at head
 # dim 128 ("mosaic" forward measured faster where False: H200,
-# docs/benchmarks.md 2026-12-06 22:41); with a gradient cuDNN always keeps it.
+# docs/benchmarks.md 2026-12-06 22:41); with a gradient cuDNN keeps it on
+# these large grids (2M rows).
 _GQA_H128_CUDNN_KEEPS_INFERENCE = {
     (True, 1024): True, (True, 2048): False, (True, 8192): False,
     (True, 16384): True, (False, 1024): True, (False, 4096): False,
     (False, 8192): False, (False, 16384): True,
 }
+
+
+# (causal, T, rows = B·N·T) -> (cuDNN preferred with a gradient, without
+# one) for plain GQA at head dim 128, N32 K8 (H100, docs/benchmarks.md
+# 2026-12-07 10:40; the 2M-row point from the H200 run of 2026-12-06 22:41).
+_GQA_SMALL_GRID_CUDNN_KEEPS = {
+    (True, 1024, 32768): (True, False),
+    (True, 1024, 65536): (True, False),
+    (True, 1024, 131072): (True, True),
+    (True, 2048, 65536): (False, False),
+    (True, 4096, 524288): (False, False),  # the issue's GQA shape
+    (True, 4096, 2**21): (True, False),
+    (False, 2048, 65536): (True, False),
+    (False, 4096, 131072): (True, False),
+}
+
+
+@pytest.mark.parametrize("causal, t, rows", sorted(_GQA_SMALL_GRID_CUDNN_KEEPS))
+def test_gqa_head_dim_128_small_grids_choose_by_rows(causal, t, rows):
+  """Plain GQA at head dim 128 with few rows: causal T 2048-4096 trains
+  with "mosaic" up to a row bound, causal T 1024 infers with it on the
+  smallest grids; extras keep cuDNN."""
+  from tokamax.ops.attention import cudnn  # pylint: disable=g-import-not-at-top
+  op = cudnn.CudnnDotProductAttention()
+  keeps = functools.partial(_cudnn_keeps, op, is_causal=causal)
+  b = rows // (32 * t)
+  q, kv = (b, t, 32, 128), (b, t, 8, 128)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    assert keeps(q, kv) == _GQA_SMALL_GRID_CUDNN_KEEPS[causal, t, rows]
+    assert keeps(q, kv, local_window_size=(256, 0)) == (True, True)
+    assert keeps((b, t, 32, 256), (b, t, 8, 256)) == (True, True)
+  with tokamax.config.cross_compile("NVIDIA A100"):
+    assert keeps(q, kv) == (True, True)
 
 
 @pytest.mark.parametrize("causal, t", sorted(_GQA_H128_CUDNN_KEEPS_INFERENCE))
@@ -525,7 +565,8 @@ def test_none_picks_per_mode_between_mosaic_and_cudnn(monkeypatch):
 @pytest.mark.parametrize("causal, t, heads, h, inference, training", [
     (True, 1024, (2, 2), 64, "cudnn", "mosaic"),
     (False, 3072, (2, 2), 64, "cudnn", "cudnn"),  # a small grid (6144 rows)
-    (True, 2048, (4, 1), 128, "mosaic", "cudnn"),
+    (True, 2048, (4, 1), 128, "mosaic", "mosaic"),  # 8192 rows
+    (False, 4096, (4, 1), 128, "mosaic", "cudnn"),
     (True, 4096, (32, 32), 128, "mosaic", "cudnn"),  # 131072 rows
     (True, 4096, (8, 8), 128, "mosaic", "mosaic"),  # 32768 rows
 ])

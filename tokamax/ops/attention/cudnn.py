@@ -61,6 +61,8 @@ _ANY_ROWS = (0, math.inf)
 #   1.04-1.28x at T 1024-4096 at any rows, 1.22x at T 8192 with 65536 rows
 #   (0.96x at 1M); non-causal training 1.02x from 262144 rows, 0.78-0.99x
 #   below; non-causal forward 1.04-1.05x from 262144 rows, 0.72-0.95x below.
+#   Causal forward at T 1024-2048, N16 (H100 2026-12-07 10:40): 1.04-1.46x
+#   at 32768-131072 rows, 0.96-1.00x at 16384 and from 262144 rows.
 # - "h128": H100 2026-12-07 02:31 (B1-B4, N8-16; the 2026-12-05 H200 rows
 #   agree): causal training 1.17-1.50x up to 65536 rows, 1.00-1.06x at
 #   131072, 0.87x at 262144; causal forward 1.06-1.70x up to 262144 rows at
@@ -68,17 +70,25 @@ _ANY_ROWS = (0, math.inf)
 #   1.01-1.02x, forward+backward 0.90-0.94x).
 # - "gqa_h128": N32 K8 at 65536 tokens (2M rows), H200 2026-12-06 22:41:
 #   forward 1.02-1.06x at T 2048-8192, causal and not; forward+backward
-#   0.90-1.01x, so training keeps cuDNN. Small GQA grids are unmeasured.
+#   0.90-1.01x, so training keeps cuDNN there. Small GQA grids, N32 K8
+#   at B1-B4 (H100 2026-12-07 10:40, two runs): causal forward+backward
+#   1.01-1.22x at T 2048-4096 up to 524288 rows (B4 T4096, the GQA
+#   shape; 1.02-1.05x there on the H200, 2026-12-05 and 12-06), 0.94x and
+#   1.15x at T 1024; causal forward 1.40x / 1.20x at T 1024 with 32768 /
+#   65536 rows; non-causal forward+backward 0.92-1.04x.
 _MOSAIC_TRAINS_FASTER = {
     "h64": [(True, (1024, 4096), _ANY_ROWS), (True, (4096, 8192), (0, 65536)),
             (False, (1024, 2048), (262144, math.inf))],
     "h128": [(True, (4096, 8192), (0, 65536))],
+    "gqa_h128": [(True, (2048, 4096), (0, 524288))],
 }
 _MOSAIC_INFERS_FASTER = {
     "h64": [(True, (3072, 4096), _ANY_ROWS), (True, (4096, 8192), (0, 65536)),
+            (True, (1024, 2048), (32768, 131072)),
             (False, (2048, 16384), (262144, math.inf))],
     "h128": [(True, (4096, 16384), (0, 262144))],
-    "gqa_h128": [(True, (2048, 8192), _ANY_ROWS), (False, (2048, 8192), _ANY_ROWS)],
+    "gqa_h128": [(True, (2048, 8192), _ANY_ROWS), (True, (1024, 1024), (0, 65536)),
+                 (False, (2048, 8192), _ANY_ROWS)],
 }
 
 
