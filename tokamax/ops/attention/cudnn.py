@@ -75,7 +75,7 @@ _ANY_ROWS = (0, math.inf)
 #   1.01-1.22x at T 2048-4096 up to 524288 rows (B4 T4096, the GQA
 #   shape; 1.02-1.05x there on the H200, 2026-12-05 and 12-06), 0.94x and
 #   1.15x at T 1024; causal forward 1.40x / 1.20x at T 1024 with 32768 /
-#   65536 rows; non-causal forward+backward 0.92-1.04x.
+#   65536 rows; non-causal forward+backward 0.90-1.19x, mostly 0.92-1.04x.
 _MOSAIC_TRAINS_FASTER = {
     "h64": [(True, (1024, 4096), _ANY_ROWS), (True, (4096, 8192), (0, 65536)),
             (False, (1024, 2048), (262144, math.inf))],
