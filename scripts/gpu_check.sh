@@ -49,7 +49,8 @@ if [[ $what == pending ]]; then
   # 2026-12-05 (17:32-). Step 15 ran on an H100 on 2026-12-05 (20:20-).
   # Steps 8, 26 (2 rounds, without its H128 point) and 27 ran on the H200 on
   # 2026-12-06 (22:27-).
-  # Step 12's A/B is still untimed.
+  # Step 12's A/B is still untimed. Step 30, and 27 with BATCH=1/2/4, ran
+  # on an H100 on 2026-12-07 (10:33-).
   # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
   # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
   # dim (the "triton" heuristic's row halves at head dim 128, its bands of
