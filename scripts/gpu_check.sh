@@ -252,6 +252,18 @@ if [[ $what == pending ]]; then
            ${ROUNDS:-3} 64 ${LENS:-1024,2048} forward 16 2>&1 \
            | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
        done ;;
+    # 31 (2026-12-07 11:45): the queued H200 checks in one call: the
+    # dispatch GPU tests (MQA causal T2048 trains with "mosaic" since
+    # 10:33), "mosaic" forward at B1 T4096 N8 H64 (the heuristic, not the
+    # seed's cached three consumers: about 0.94x cuDNN, not 0.71x), then
+    # the benchmark table at the shipped defaults.
+    31) pt ${TEST_S:-100} tests/test_dispatch.py | tee "$OUT/pending_31_tests.log"
+       d="$OUT/b1_t4096_n8_h64"; mkdir -p "$d"
+       BATCH=1 timeout ${SMALL_S:-60} python3 benchmarks/attention_length_scaling.py "$d" \
+         ${ROUNDS:-3} 64 4096 forward 8 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+         | tee "$d/log.txt" | grep "^B"
+       timeout ${BENCH_S:-330} python3 benchmarks/attention.py "$OUT" 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/bench.log" | tail -40 ;;
     # 29 (2026-12-07 04:45): the persistent forward's last wave on small
     # non-causal head-dim-64 grids: three consumers (192-row tiles, the
     # heuristic's) against two (128-row tiles) at 16384-131072 rows, where
