@@ -38,7 +38,7 @@ def ranks(groups: int, blocks: int, band: int) -> list[int]:
   return order(jnp.arange(groups * blocks, dtype=jnp.int32)).tolist()
 
 
-def makespan_over_ideal(costs: list[float], sms: int = triton.SMS) -> float:
+def makespan_over_ideal(costs: list[float], sms: int = 132) -> float:  # H100/H200 SXM
   free = [0.0] * sms
   for c in costs:
     heapq.heappush(free, heapq.heappop(free) + c)
@@ -56,9 +56,10 @@ def main():
     cost = lambda r: heads * 2 * (blocks - r) + 4
     tail = lambda band: makespan_over_ideal([cost(r) for r in ranks(groups, blocks, band)]) - 1
     shipped = triton.heavy_first_band(causal, groups, blocks, triton.HEAVY_FIRST_BAND,
-                                      triton.HEAVY_FIRST_MAX_WAVES, triton.BAND_ONE_PER_HEAD)
+                                      triton.HEAVY_FIRST_MAX_WAVES, triton.BAND_ONE_PER_HEAD,
+                                      triton.BAND_ONE_MAX_WAVES)
     cells = [f"{100 * tail(b):.1f} %" for b in (blocks, 1, min(4, blocks), min(8, blocks))]
-    print(f"| {label} | {groups * blocks / triton.SMS:.1f} | {' | '.join(cells)} | "
+    print(f"| {label} | {groups * blocks / 132:.1f} | {' | '.join(cells)} | "
           f"{100 * tail(shipped):.1f} % ({shipped}) |")
 
 

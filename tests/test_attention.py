@@ -979,7 +979,7 @@ def test_mosaic_heavy_first_band_rule():
   waves, one_waves = mosaic_attn.HEAVY_FIRST_MAX_WAVES, mosaic_attn.BAND_ONE_MAX_WAVES
   rule = lambda sp, groups, blocks: triton_attn.heavy_first_band(
       sp, groups, blocks, band, waves, per_head, one_waves)
-  few = mosaic_attn.HEAVY_FIRST_MAX_WAVES * triton_attn.SMS // 64
+  few = mosaic_attn.HEAVY_FIRST_MAX_WAVES * triton_attn.sms() // 64
   assert rule(spec(is_causal=True), 64, few) == band
   assert rule(spec(is_causal=True), 65, few) == few  # many CTAs
   assert rule(spec(), 64, few) == few  # equal CTAs: no tail
@@ -994,7 +994,7 @@ def test_mosaic_heavy_first_band_rule():
     assert rule_b(heads + 1, 16) == b
     assert rule_b(heads + 1, 3) == min(b, 3)
   # ... up to BAND_ONE_MAX_WAVES CTAs per SM (B1 T16384 N32: bands of 8).
-  most = one_waves * triton_attn.SMS // 32
+  most = one_waves * triton_attn.sms() // 32
   assert rule(spec(is_causal=True), 32, most) == 1
   assert rule(spec(is_causal=True), 32, most + 1) == band
   assert rule(spec(is_causal=True), 32, 16384 // 128) == band
@@ -1265,6 +1265,24 @@ def test_mosaic_forward_consumers_by_rounds(t, grid, consumers):
   assert mosaic_attn.heuristic_config(t, t, 64, 128, 2, grid=grid).consumers == 2
   assert mosaic_attn.heuristic_config(t, t, 64, 64, 2, tiles=True,
                                       grid=grid).consumers == 2
+
+
+@pytest.mark.parametrize("cores", [132, 114])
+def test_persistent_ctas_and_rounds_follow_the_targets_sms(cores):
+  """One persistent CTA per SM of the target GPU (132 on an H100/H200 SXM,
+  114 on an H100 PCIe), not a constant: more CTAs than SMs would leave the
+  extra ones a second wave. The round counts of the heuristics and the
+  grid-order rules use the same count."""
+  with tokamax.config.cross_compile("NVIDIA H100 PCIe", num_cores=cores):
+    assert mosaic_attn._persistent_ctas(10_000, True) == cores
+    assert mosaic_attn._persistent_ctas(100, True) == 100
+    assert mosaic_attn._persistent_ctas(10_000, False) == 0
+    assert triton_attn.sms() == cores
+    # B1 T4096 N8 head dim 64: 176 tiles of 192 rows take 2 rounds on
+    # either GPU; 256 tiles of 128 rows take 2 rounds on 132 SMs (two
+    # consumers win) but 3 on 114 (three keep it).
+    c = mosaic_attn.heuristic_config(4096, 4096, 64, 64, 2, grid=8)
+    assert c.consumers == (2 if cores == 132 else 3)
 
 
 @pytest.mark.parametrize("t, q_pairs, banded, consumers", [

@@ -207,9 +207,16 @@ BAND_ONE_PER_HEAD = 4
 # head at T16384) where band 1 runs 4. The GQA dk/dv grid (7.8 per SM)
 # gains from band 1 (note above).
 BAND_ONE_MAX_WAVES = 16
-# CTAs of a persistent forward (`MosaicAttentionConfig.persistent`): one per
-# SM (a forward CTA takes a whole SM's registers).
-PERSISTENT_CTAS = triton.SMS
+# CTAs of a persistent kernel (`MosaicAttentionConfig.persistent`): one per
+# SM of the target GPU (a CTA takes a whole SM's registers; more than the
+# SMs would leave the extra CTAs a second wave of their own). None: the
+# GPU's SM count (`triton.sms`); tests set a number.
+PERSISTENT_CTAS: int | None = None
+
+
+def _persistent_cta_limit() -> int:
+  return PERSISTENT_CTAS or triton.sms()
+
 # Time per query row with two consumers against three at head dim 64, for
 # `_consumers_by_rounds`. Forward: seed shape 1.265 against 1.135 ms (H200,
 # 2026-12-03), both many rounds deep; with it the count picks the faster of
@@ -273,7 +280,7 @@ class MosaicAttentionConfig:
   block_kv: int = 128
   num_stages: int = 2
   consumers: int = 2
-  # One CTA per SM (at most PERSISTENT_CTAS) looping over the query tiles
+  # One CTA per SM (`_persistent_cta_limit`) looping over the query tiles
   # instead of one CTA per tile (`_persistent_tiles`).
   persistent: bool = False
 
@@ -339,7 +346,7 @@ def _cta_grid(bsz: int, heads: int, blocks: int, ctas: int = 0):
 
 def _persistent_ctas(tiles: int, persistent: bool) -> int:
   """CTAs of a persistent grid over `tiles` tiles, 0 for one CTA per tile."""
-  return min(tiles, PERSISTENT_CTAS) if persistent else 0
+  return min(tiles, _persistent_cta_limit()) if persistent else 0
 
 
 def _cta_coords(sp, bsz: int, heads: int, blocks: int, p=None):
@@ -1761,8 +1768,8 @@ def _fits(c: MosaicAttentionConfig, hp: int, hvp: int, itemsize: int) -> bool:
 
 def _rounds(t: int, grid: int, nc: int) -> int:
   """Rounds of query tiles (nc x 64 rows) of `grid` (batch, head) pairs of
-  T rows over PERSISTENT_CTAS CTAs."""
-  return -(-grid * -(-t // (nc * 64)) // PERSISTENT_CTAS)
+  T rows over one persistent CTA per SM."""
+  return -(-grid * -(-t // (nc * 64)) // _persistent_cta_limit())
 
 
 def _consumers_by_rounds(t: int, grid: int, row_cost: float) -> int:
@@ -1852,7 +1859,7 @@ def _dkdv_persistent(c: MosaicAttentionVjpConfig, s: int, hp: int, hvp: int,
   if hp + hvp > DKDV_PERSISTENT_MAX_WIDTH:
     return False
   tiles = kv_pairs * pl.cdiv(s, _CONSUMERS * c.block_kv)
-  return not banded or tiles >= DKDV_PERSISTENT_MIN_BANDED_ROUNDS * PERSISTENT_CTAS
+  return not banded or tiles >= DKDV_PERSISTENT_MIN_BANDED_ROUNDS * _persistent_cta_limit()
 
 
 def _with_persistence(c: MosaicAttentionVjpConfig, s: int, hp: int, hvp: int,

@@ -73,7 +73,15 @@ BAND_ONE_PER_HEAD = 4
 # T16384 N32 19.248 vs 19.174 ms (0.4 %), less than the 1.5 % between the
 # identical programs of the B2 T8192 N12 control (3.465 vs 3.517).
 BAND_ONE_MAX_WAVES = HEAVY_FIRST_MAX_WAVES
-SMS = 132  # H100/H200 SXM
+# SMs the grid rules plan for; None: the target GPU's (132 on an H100/H200
+# SXM, 114 on an H100 PCIe; `pallas_triton.num_sms`). Tests set a number.
+SMS: int | None = None
+
+
+def sms() -> int:
+  """SMs of the target GPU (or the `SMS` override)."""
+  return SMS or pallas_triton.num_sms()
+
 # Forward row parts (config.row_parts = 2): halves of at least this many
 # rows, a warpgroup's wgmma tile; smaller (clipped) blocks run one part.
 _MIN_PART_ROWS = 64
@@ -85,7 +93,7 @@ def heavy_first_band(sp: "Spec", groups: int, blocks: int, band: int | None,
   `groups` (batch, head) pairs of `blocks` programs: `band` for causal or
   right-window grids of at most `max_waves` programs per SM (an unequal
   grid whose tail matters), else `blocks` ((batch, head) order). With at
-  most SMS / min(band, per_head) heads, 1: a wave then holds that
+  most sms() / min(band, per_head) heads, 1: a wave then holds that
   many programs of every head in any order, so the strict heaviest-first
   order keeps the L2 sharing (list-scheduling model, B1 T4096 N16 causal:
   tail 1.7 % against 8.7 % with bands of 8). H200, 2026-12-05, against
@@ -95,9 +103,10 @@ def heavy_first_band(sp: "Spec", groups: int, blocks: int, band: int | None,
   ("mosaic") against bands of 8. Band 1 only up to `one_max_waves` programs
   per SM: past it the bands' L2 sharing counts for more than the tail
   (see the "mosaic" module's BAND_ONE_MAX_WAVES)."""
-  if sp.right is None or band is None or groups * blocks > max_waves * SMS:
+  n_sms = sms()
+  if sp.right is None or band is None or groups * blocks > max_waves * n_sms:
     return blocks
-  if groups * min(band, per_head) <= SMS and groups * blocks <= one_max_waves * SMS:
+  if groups * min(band, per_head) <= n_sms and groups * blocks <= one_max_waves * n_sms:
     return 1
   return min(band, blocks)
 
