@@ -257,6 +257,25 @@ if [[ $what == pending ]]; then
     # 10:33), "mosaic" forward at B1 T4096 N8 H64 (the heuristic, not the
     # seed's cached three consumers: about 0.94x cuDNN, not 0.71x), then
     # the benchmark table at the shipped defaults.
+    # 33 (2026-12-07 14:20): FWD_QK_AHEAD, a turn's Q K_j^T and P_{j-1} V
+    # issued back to back: its GPU tests, then the forward A/B against the
+    # shipped turns, wait 0 (both products) and wait 1 (softmax under P V).
+    33) pt ${TEST_S:-150} tests/test_attention.py -k qk_ahead | tee "$OUT/pending_33_tests.log"
+       for v in ${AHEAD:-0 1}; do mkdir -p "$OUT/ahead_$v"
+         timeout ${AB_S:-150} python3 benchmarks/attention_mosaic_flag_ab.py "$OUT/ahead_$v" \
+           FWD_QK_AHEAD "None,$v" forward "${SHAPES:-seed,B8}" 2>&1 \
+           | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/ahead_$v/log.txt" | grep "^{"
+       done ;;
+    # 32 (2026-12-07 13:45): GQA (N32 K8 H128) forward+backward where the
+    # causal training rule (T 2048-4096 up to 524288 rows) has no data:
+    # T 8192 at B1 and B2 (262144, 524288 rows), and B8 at T 2048-4096
+    # (524288, 1048576 rows), causal and not.
+    32) for b in ${GQA_BATCHES:-1:8192 2:8192 8:2048,4096}; do
+         d="$OUT/gqa_fb_b${b%%:*}"; mkdir -p "$d"
+         BATCH=${b%%:*} timeout ${GQA_S:-150} python3 benchmarks/attention_length_scaling.py "$d" \
+           ${ROUNDS:-3} 128 ${b##*:} forward_and_vjp 32 8 2>&1 \
+           | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
+       done ;;
     31) pt ${TEST_S:-100} tests/test_dispatch.py | tee "$OUT/pending_31_tests.log"
        d="$OUT/b1_t4096_n8_h64"; mkdir -p "$d"
        BATCH=1 timeout ${SMALL_S:-60} python3 benchmarks/attention_length_scaling.py "$d" \
