@@ -258,16 +258,16 @@ if [[ $what == pending ]]; then
     # seed's cached three consumers: about 0.94x cuDNN, not 0.71x), then
     # the benchmark table at the shipped defaults.
     # 33 (2026-12-07 14:20): FWD_QK_AHEAD, a turn's Q K_j^T and P_{j-1} V
-    # issued back to back (wait for both): its GPU tests (both waits), then
-    # forward A/Bs against the shipped turns: the seed shape's three
+    # issued back to back (wait for both): forward A/Bs against the shipped
+    # turns, then its GPU tests (both waits): the seed shape's three
     # consumers with the producer at 24 registers (at 40, ptxas serialises
     # the wgmmas: C7512), and head dim 128 (two consumers).
-    33) pt ${TEST_S:-150} tests/test_attention.py -k qk_ahead | tee "$OUT/pending_33_tests.log"
-       ab() { mkdir -p "$OUT/$1"; timeout ${AB_S:-150} python3 benchmarks/attention_mosaic_flag_ab.py \
+    33) ab() { mkdir -p "$OUT/$1"; timeout ${AB_S:-150} python3 benchmarks/attention_mosaic_flag_ab.py \
            "$OUT/$1" "$2" "$3" forward "$4" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
            | tee "$OUT/$1/log.txt" | grep "^{"; }
        ab ahead_seed "FWD_QK_AHEAD,_PRODUCER_REGS" "(None,40),(0,24)" seed
-       ab ahead_h128 FWD_QK_AHEAD "None,0" B8 ;;
+       ab ahead_h128 FWD_QK_AHEAD "None,0" B8
+       pt ${TEST_S:-150} tests/test_attention.py -k qk_ahead | tee "$OUT/pending_33_tests.log" ;;
     # 32 (2026-12-07 13:45): GQA (N32 K8 H128) forward+backward where the
     # causal training rule (T 2048-4096 up to 524288 rows) has no data:
     # T 8192 at B1 and B2 (262144, 524288 rows), and B8 at T 2048-4096
