@@ -50,7 +50,8 @@ if [[ $what == pending ]]; then
   # Steps 8, 26 (2 rounds, without its H128 point) and 27 ran on the H200 on
   # 2026-12-06 (22:27-).
   # Step 12's A/B is still untimed. Step 30, and 27 with BATCH=1/2/4, ran
-  # on an H100 on 2026-12-07 (10:33-).
+  # on an H100 on 2026-12-07 (10:33-); steps 31, 32 and 33 on an H100 on
+  # 2026-12-07 (13:27-).
   # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
   # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
   # dim (the "triton" heuristic's row halves at head dim 128, its bands of
@@ -257,7 +258,8 @@ if [[ $what == pending ]]; then
     # 10:33), "mosaic" forward at B1 T4096 N8 H64 (the heuristic, not the
     # seed's cached three consumers: about 0.94x cuDNN, not 0.71x), then
     # the benchmark table at the shipped defaults.
-    # 33 (2026-12-07 14:20): FWD_QK_AHEAD, a turn's Q K_j^T and P_{j-1} V
+    # 33 (2026-12-07 14:20; ran on an H100 14:41 without its tests, dropped;
+    # needs `git cherry-pick --no-commit eae8db4`): FWD_QK_AHEAD, a turn's Q K_j^T and P_{j-1} V
     # issued back to back (wait for both): forward A/Bs against the shipped
     # turns, then its GPU tests (both waits): the seed shape's three
     # consumers with the producer at 24 registers (at 40, ptxas serialises
