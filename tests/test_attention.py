@@ -810,24 +810,6 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
                BF16, feature)
 
-  @pytest.mark.parametrize("wait_n", [0, 1, 2])
-  @pytest.mark.parametrize("feature, consumers, bk, ctas", [
-      ("causal", 3, 128, 3), ("t_ne_s_causal", 2, 64, 0),
-      ("window_left_right", 3, 64, 0), ("combined_positional", 2, 128, 2),
-      ("q_lens", 3, 64, 5), ("soft_cap", 2, 64, 0), ("bias_full", 2, 64, 0)])
-  def test_fwd_qk_ahead(self, monkeypatch, feature, consumers, bk, ctas, wait_n):
-    """The forward whose turns issue Q K_j^T and P_{j-1} V back to back
-    (FWD_QK_AHEAD): the first Q K^T and last P V outside the loop, blocks
-    only other consumers see run masked, tiles with no visible key, one or
-    many CTAs (ctas 0: one per tile); with a bias it takes the usual steps."""
-    monkeypatch.setattr(mosaic_attn, "FWD_QK_AHEAD", wait_n)
-    monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", ctas or None)
-    self.op = _mosaic_op(block_q=64, block_kv=bk, num_stages=2, consumers=consumers,
-                         persistent=bool(ctas))
-    c = FEATURES[feature]
-    self.check(dataclasses.replace(c, t=300, s=260 if c.bias is None else 300),
-               BF16, feature)
-
   @pytest.mark.parametrize("feature, ctas", [
       ("causal", 3), ("combined", 2), ("q_lens", 5), ("plain", 4)])
   def test_persistent_dkdv_prefetch_at_tile_start(self, monkeypatch, feature, ctas):
@@ -1105,24 +1087,6 @@ def test_mosaic_fwd_q_regs_lowers_for_cuda(monkeypatch, causal, consumers):
                   persistent=True)
   with tokamax.config.cross_compile("NVIDIA H200"):
     text = _lower_text(lambda q: op(q, q, q, is_causal=causal), q)
-  assert text.count(MOSAIC_TARGET) == 1
-
-
-@pytest.mark.parametrize("wait_n", [0, 1, 2])
-@pytest.mark.parametrize("consumers, persistent", [(2, False), (3, True)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_mosaic_fwd_qk_ahead_lowers_for_cuda(monkeypatch, causal, consumers, persistent,
-                                             wait_n):
-  """The forward whose turns issue Q K_j^T and P_{j-1} V back to back
-  (FWD_QK_AHEAD) lowers for an H200, with key lengths."""
-  monkeypatch.setattr(mosaic_attn, "FWD_QK_AHEAD", wait_n)
-  q = jax.ShapeDtypeStruct((4, 2048, 8, 64), BF16)
-  lens = jax.ShapeDtypeStruct((4,), jnp.int32)
-  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
-                  persistent=persistent)
-  with tokamax.config.cross_compile("NVIDIA H200"):
-    text = _lower_text(lambda q, n: op(q, q, q, is_causal=causal,
-                                       key_value_seq_lengths=n), q, lens)
   assert text.count(MOSAIC_TARGET) == 1
 
 
@@ -1504,35 +1468,6 @@ class TestMosaicGpu(AttentionTestBase):
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          consumers=consumers, persistent=True)
     self.check(_real_size_case(feature), BF16)
-
-  @pytest.mark.parametrize("wait_n", [0, 1, 2])
-  @pytest.mark.parametrize("consumers, persistent", [(2, False), (3, True), (2, True)])
-  @pytest.mark.parametrize("feature", ["plain", "causal", "window"])
-  def test_fwd_qk_ahead_real_size(self, monkeypatch, feature, consumers, persistent,
-                                  wait_n):
-    """The forward whose turns issue Q K_j^T and P_{j-1} V back to back
-    (FWD_QK_AHEAD, both waits) on the GPU: lengths, causal, and a two-sided
-    window with T > S (shifted tiles: consumers whose rows are all < 0)."""
-    monkeypatch.setattr(mosaic_attn, "FWD_QK_AHEAD", wait_n)
-    if feature == "window":
-      case = dataclasses.replace(_real_size_case("plain"), t=1100, s=1000,
-                                 kwargs=(("local_window_size", (300, 20)),))
-    else:
-      case = _real_size_case(feature)
-    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
-                         consumers=consumers, persistent=persistent)
-    self.check(case, BF16)
-
-  @pytest.mark.parametrize("wait_n", [0, 1, 2])
-  @pytest.mark.parametrize("causal", [False, True])
-  @pytest.mark.parametrize("shape", [(1, 4096, 16, 16, 128), (2, 1500, 6, 2, 80),
-                                     (1, 300, 4, 2, 32)])
-  def test_fwd_qk_ahead_shapes(self, monkeypatch, shape, causal, wait_n):
-    """FWD_QK_AHEAD with the heuristic config, key and query lengths."""
-    monkeypatch.setattr(mosaic_attn, "FWD_QK_AHEAD", wait_n)
-    b, t, n, kh, h = shape
-    self.check(Case(batch=(b,), t=t, s=t, n=n, kh=kh, h=h, q_lens=not causal,
-                    kv_lens=not causal, kwargs=(("is_causal", causal),)), BF16)
 
   @pytest.mark.parametrize("config", sorted(
       mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))

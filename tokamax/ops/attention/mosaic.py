@@ -159,14 +159,6 @@ DKDV_KV_REGS_MAX_WIDTH = 128
 # kernel 1.6-2.4 % slower causal (every round), -7.3 to +3.9 % non-causal,
 # so off (docs/benchmarks.md 2026-12-06).
 FWD_Q_REGS = False
-# Experimental (forward, no bias/mask tiles): each tensor-core turn
-# issues Q K_j^T and P_{j-1} V_{j-1} back to back (FA3's order, Sec. 3.2)
-# instead of waiting for P V before issuing the next Q K^T, so a turn keeps
-# the tensor cores busy without a drain between its two products. The value
-# is the wgmma wait after the turn: 0 waits for both products (no overlap
-# with the softmax), 1 for Q K^T only (block j's softmax under P_{j-1} V,
-# FA3's intra-warpgroup overlap). None: off.
-FWD_QK_AHEAD: int | None = None
 # Forward and dq kernel without bias/mask tiles: a consumer's last key block
 # whose visible keys all lie in its first half (the causal diagonal of every
 # other 64-row consumer at 128-key blocks, a key length just past a block
@@ -685,11 +677,6 @@ def _lazy_softmax(z, m, l, acc, raw, interpret: bool):
   return run(z, m, l, acc)
 
 
-def _qk_ahead(tiles: bool) -> bool:
-  """Whether the forward runs `FWD_QK_AHEAD`'s turns (not with bias/mask tiles)."""
-  return FWD_QK_AHEAD is not None and not tiles
-
-
 def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
                 nc: int, save_lse: bool, ctas: int, interpret: bool):
   """ctas: 0 for one CTA per query tile, else the number of persistent CTAs
@@ -712,7 +699,6 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
                      bias_ref is not None or mask_ref is not None)
   wg, count, query_tile = _query_tiles(
       sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, ctas, shift)
-  ahead = _qk_ahead(bias_ref is not None or mask_ref is not None)
 
   # Tensor-core turns. A turn issues a step's P V and the next step's Q K^T.
   # Two consumers: a rendezvous barrier (2 arrivals) after each Q K^T issue
@@ -749,14 +735,11 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     b, n, _, kh, q_lim, kv_lim, cta0, lo, hi = query_tile(i)
     slot_of = _ring(lo, k0, stages)
     r0 = cta0 + wg * bq
-    if ahead:  # run_state lowers traced values only, not literals
-      q_lim, kv_lim = q_lim + wg * 0, kv_lim + wg * 0
     live, rows_lim = _wg_rows(r0, q_lim, shift)
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, rows_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
     # (P V's contraction must stay a multiple of 64: bk >= 128.)
-    if (HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None
-        and not ahead):
+    if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
       segments = _split_last_half(sp, segments, r0, bq, bk, rows_lim, kv_lim)
     q_tile = q_smem.at[wg]
     if not ctas:
@@ -894,163 +877,24 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
       plgpu.barrier_arrive(v_free.at[slot])
       return m_new, l, acc, nxt
 
-    def ahead_tile(_, carry):
-      """FWD_QK_AHEAD: turn j issues Q K_j^T and P_{j-1} V_{j-1} back to back
-      (a token ring for any consumer count); block lo's Q K^T runs before
-      the loop and the last P V after it (a wgmma cannot sit under a runtime
-      condition, so this body runs as a loop of one trip when lo < hi).
-      Blocks only other consumers see run masked."""
-      m, l, acc = carry
+    carry = (m, l, acc, load_tiles(n, lo))
 
-      def take():
-        plgpu.barrier_wait(sched.at[wg])
+    @pl.when(lo < hi)
+    def _():
+      plgpu.barrier_wait(k_ready.at[slot_of(lo)])
 
-      def give():
-        plgpu.barrier_arrive(sched.at[lax.rem(wg + 1, jnp.int32(nc))])
-
-      def softmax(qk, j, masked, m, l):
-        z = logits(qk, j, masked, None, None)
-        z_max = z.max(axis=1)
-        m_new = jnp.maximum(m, z_max * raw if raw is not None else z_max)
-        m_b = lax.broadcast_in_dim(m_new, z.shape, [0])
-        p = jnp.exp2(z * raw - m_b) if raw is not None else jnp.exp2(z - m_b)
-        alpha = jnp.exp2(m - m_new)
-        return m_new, l * alpha + p.sum(axis=1), p, alpha
-
-      def pv_operand(p16):
-        """P V's left operand: P in registers, or through shared memory in
-        the interpreter (it runs no register-operand wgmma)."""
-        if not interpret:
-          return p16
-        p_smem.at[wg][...] = p16
-        plgpu.commit_smem()
-        return p_smem.at[wg]
-
-      first = slot_of(lo)
-      plgpu.barrier_wait(k_ready.at[first])
+    if nc == 2:
+      pl.when(wg == 1)(schedule)
+    else:  # WG 0 starts with the token; each WG's first turn issues Q K_0^T
       pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
-
-      def first_qk(s_ref):
-        take()
-        plgpu.wgmma(s_ref, q_op, k_smem.at[first].T)
-        give()
-        return s_ref[...]
-
-      qk = pl.run_scoped(first_qk, plgpu.ACC((bq, bk), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[first])
-      last_qk_done(lo)
-      m, l, p, _ = softmax(qk, lo, True, m, l)
-
-      def ahead_step(j, carry, masked):
-        m, l, acc, p16 = carry
-        slot, prev = slot_of(j), slot_of(j - 1)
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[prev])
-
-        def turn(s_ref, o_ref):
-          p_op = pv_operand(p16)
-          take()
-          if FWD_QK_AHEAD == 2:  # P V first; the token goes once it is done
-            plgpu.wgmma(o_ref, p_op, v_smem.at[prev])
-            plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
-            if not interpret:
-              plgpu.wgmma_wait(1)
-          else:
-            plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
-            plgpu.wgmma(o_ref, p_op, v_smem.at[prev])
-          give()
-
-        if interpret:  # P V into a fresh accumulator, added after
-          def both(s_ref, o_ref):
-            turn(s_ref, o_ref)
-            return s_ref[...], o_ref[...]
-
-          qk, pv = pl.run_scoped(both, plgpu.ACC((bq, bk), jnp.float32),
-                                 plgpu.ACC((bq, hvp), jnp.float32))
-          acc = acc + pv
-          plgpu.barrier_arrive(k_free.at[slot])
-          m, l, p, alpha = softmax(qk, j, masked, m, l)
-        elif FWD_QK_AHEAD in (0, 2):
-          # Both products waited for; nothing but the accumulators is live
-          # across the issue (a state array would hold [bq, bk] f32 more).
-          def with_s(s_ref):
-            acc_out = pl.run_state(lambda o_ref: turn(s_ref, o_ref))(plgpu.ACC.init(acc))
-            return s_ref[...], acc_out
-
-          qk, acc = pl.run_scoped(with_s, plgpu.ACC((bq, bk), jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
-          m, l, p, alpha = softmax(qk, j, masked, m, l)
-        else:
-          def body(refs):
-            o_ref, m_ref, l_ref, p_ref, alpha_ref = refs
-
-            def with_s(s_ref):
-              turn(s_ref, o_ref)
-              qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=FWD_QK_AHEAD)
-              plgpu.barrier_arrive(k_free.at[slot])
-              return softmax(qk, j, masked, m_ref[...], l_ref[...])
-
-            m_ref[...], l_ref[...], p_ref[...], alpha_ref[...] = pl.run_scoped(
-                with_s, plgpu.ACC((bq, bk), jnp.float32))
-
-          p0 = plgpu.layout_cast(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
-          acc, m, l, p, alpha = pl.run_state(body)((plgpu.ACC.init(acc), m, l, p0, m))
-        # P V is done (the state's read waited): P_j may take P_{j-1}'s registers.
-        acc, p = lax.optimization_barrier((acc, p))
-        plgpu.barrier_arrive(v_free.at[prev])
-        last_qk_done(j)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        return m, l, acc, p.astype(dtype)
-
-      carry = (m, l, acc, p.astype(dtype))
-      full = segments[2]
-      a = jnp.maximum(full[0], lo + 1)
-      c = jnp.maximum(full[1], a)
-      for start, stop, masked in ((lo + 1, a, True), (a, c, False), (c, hi, True)):
-        carry = lax.fori_loop(start, stop, functools.partial(ahead_step, masked=masked),
-                              carry)
-      m, l, acc, p16 = carry
-      last = slot_of(hi - 1)
-      plgpu.barrier_wait(v_ready.at[last])
-
-      def last_pv(o_ref):
-        p_op = pv_operand(p16)
-        take()
-        plgpu.wgmma(o_ref, p_op, v_smem.at[last])
-        give()
-        if interpret:
-          return o_ref[...]
-
-      if interpret:
-        acc = acc + pl.run_scoped(last_pv, plgpu.ACC((bq, hvp), jnp.float32))
-      else:
-        acc = pl.run_state(last_pv)(plgpu.ACC.init(acc))
-      pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))  # the ring's last phase
-      plgpu.barrier_arrive(v_free.at[last])
-      return m, l, acc
-
-    if ahead:
-      m, l, acc = lax.fori_loop(0, jnp.where(lo < hi, 1, 0), ahead_tile, (m, l, acc))
-      carry = (m, l, acc, None)
-    else:
-      carry = (m, l, acc, load_tiles(n, lo))
-
-      @pl.when(lo < hi)
-      def _():
-        plgpu.barrier_wait(k_ready.at[slot_of(lo)])
-
-      if nc == 2:
-        pl.when(wg == 1)(schedule)
-      else:  # WG 0 starts with the token; each WG's first turn issues Q K_0^T
-        pl.when(wg == 0)(lambda: plgpu.barrier_arrive(sched.at[0]))
-        plgpu.barrier_wait(sched.at[wg])
-      for start, stop, mode in segments:
-        carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
-      if nc == 2:
-        pl.when(wg == 0)(schedule)
-      else:  # pass the last turn on; WG 0 takes the token's final phase
-        pass_turn()
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))
+      plgpu.barrier_wait(sched.at[wg])
+    for start, stop, mode in segments:
+      carry = lax.fori_loop(start, stop, functools.partial(step, mode=mode), carry)
+    if nc == 2:
+      pl.when(wg == 0)(schedule)
+    else:  # pass the last turn on; WG 0 takes the token's final phase
+      pass_turn()
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(sched.at[0]))
     if ctas:  # a tile without key blocks: Q is not in use
       pl.when(lo >= hi)(lambda: prefetch_q(i))
     m, l, acc, _ = carry
@@ -1125,7 +969,6 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
   nq = pl.cdiv(tq, cta_rows)
   interpret = pallas_mosaic.INTERPRET.value
   dtype = q.dtype
-  tiles_needed = args["bias"] is not None or args["mask"] is not None
   scratch = [
       plgpu.SMEM((nc, bq, hp), dtype),
       None if hvp == hp and not config.persistent else plgpu.SMEM((nc, bq, hvp), dtype),
@@ -1139,8 +982,7 @@ def attention_forward(args, config: MosaicAttentionConfig, return_residuals: boo
       plgpu.Barrier(num_arrivals=nc, num_barriers=stages),  # k_free
       plgpu.Barrier(num_arrivals=nc, num_barriers=stages),  # v_free
       # sched: the rendezvous (2 consumers) or one token per consumer
-      (plgpu.Barrier(num_arrivals=2)
-       if nc == 2 and not _qk_ahead(tiles_needed) else plgpu.Barrier(num_barriers=nc)),
+      plgpu.Barrier(num_arrivals=2) if nc == 2 else plgpu.Barrier(num_barriers=nc),
   ]
   lengths = [
       x.astype(jnp.int32) for x in
