@@ -258,6 +258,17 @@ if [[ $what == pending ]]; then
     # 10:33), "mosaic" forward at B1 T4096 N8 H64 (the heuristic, not the
     # seed's cached three consumers: about 0.94x cuDNN, not 0.71x), then
     # the benchmark table at the shipped defaults.
+    # 34 (2026-12-07 14:55, not run: no device time left): needs
+    # `git cherry-pick --no-commit 4191324` first. FWD_QK_AHEAD = 2: a turn
+    # issues P_{j-1} V, then Q K_j^T, and passes the token once P V is done,
+    # so the consumers stay staggered (what step 33's variant lost) without
+    # the drain between a turn's two products. Forward A/B at head dim 128
+    # (two consumers: no spills), then its GPU tests (every mode).
+    34) mkdir -p "$OUT/ahead_2"
+       timeout ${AB_S:-150} python3 benchmarks/attention_mosaic_flag_ab.py "$OUT/ahead_2" \
+         FWD_QK_AHEAD "None,2" forward "${SHAPES:-B8,GQA}" 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/ahead_2/log.txt" | grep "^{"
+       pt ${TEST_S:-150} tests/test_attention.py -k qk_ahead | tee "$OUT/pending_34_tests.log" ;;
     # 33 (2026-12-07 14:20; ran on an H100 14:41 without its tests, dropped;
     # needs `git cherry-pick --no-commit eae8db4`): FWD_QK_AHEAD, a turn's Q K_j^T and P_{j-1} V
     # issued back to back (wait for both): forward A/Bs against the shipped
