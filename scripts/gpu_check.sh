@@ -253,11 +253,6 @@ if [[ $what == pending ]]; then
            ${ROUNDS:-3} 64 ${LENS:-1024,2048} forward 16 2>&1 \
            | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
        done ;;
-    # 31 (2026-12-07 11:45): the queued H200 checks in one call: the
-    # dispatch GPU tests (MQA causal T2048 trains with "mosaic" since
-    # 10:33), "mosaic" forward at B1 T4096 N8 H64 (the heuristic, not the
-    # seed's cached three consumers: about 0.94x cuDNN, not 0.71x), then
-    # the benchmark table at the shipped defaults.
     # 34 (2026-12-07 14:55, not run: no device time left): needs
     # `git cherry-pick --no-commit 4191324` first. FWD_QK_AHEAD = 2: a turn
     # issues P_{j-1} V, then Q K_j^T, and passes the token once P V is done,
@@ -291,6 +286,11 @@ if [[ $what == pending ]]; then
            ${ROUNDS:-3} 128 ${b##*:} forward_and_vjp 32 8 2>&1 \
            | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
        done ;;
+    # 31 (2026-12-07 11:45; ran on an H100 at 13:27): the queued H200 checks in one call: the
+    # dispatch GPU tests (MQA causal T2048 trains with "mosaic" since
+    # 10:33), "mosaic" forward at B1 T4096 N8 H64 (the heuristic, not the
+    # seed's cached three consumers: about 0.94x cuDNN, not 0.71x), then
+    # the benchmark table at the shipped defaults.
     31) pt ${TEST_S:-100} tests/test_dispatch.py | tee "$OUT/pending_31_tests.log"
        d="$OUT/b1_t4096_n8_h64"; mkdir -p "$d"
        BATCH=1 timeout ${SMALL_S:-60} python3 benchmarks/attention_length_scaling.py "$d" \
