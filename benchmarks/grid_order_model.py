@@ -38,7 +38,10 @@ def ranks(groups: int, blocks: int, band: int) -> list[int]:
   return order(jnp.arange(groups * blocks, dtype=jnp.int32)).tolist()
 
 
-def makespan_over_ideal(costs: list[float], sms: int = 132) -> float:  # H100/H200 SXM
+SMS = 132  # H100/H200 SXM, the GPUs the model was checked against
+
+
+def makespan_over_ideal(costs: list[float], sms: int = SMS) -> float:
   free = [0.0] * sms
   for c in costs:
     heapq.heappush(free, heapq.heappop(free) + c)
@@ -59,7 +62,7 @@ def main():
                                       triton.HEAVY_FIRST_MAX_WAVES, triton.BAND_ONE_PER_HEAD,
                                       triton.BAND_ONE_MAX_WAVES)
     cells = [f"{100 * tail(b):.1f} %" for b in (blocks, 1, min(4, blocks), min(8, blocks))]
-    print(f"| {label} | {groups * blocks / 132:.1f} | {' | '.join(cells)} | "
+    print(f"| {label} | {groups * blocks / SMS:.1f} | {' | '.join(cells)} | "
           f"{100 * tail(shipped):.1f} % ({shipped}) |")
 
 
