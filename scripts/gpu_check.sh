@@ -51,7 +51,7 @@ if [[ $what == pending ]]; then
   # 2026-12-06 (22:27-).
   # Step 12's A/B is still untimed. Step 30, and 27 with BATCH=1/2/4, ran
   # on an H100 on 2026-12-07 (10:33-); steps 31, 32 and 33 on an H100 on
-  # 2026-12-07 (13:27-).
+  # 2026-12-07 (13:27-), step 34 on an H100 on 2026-12-07 (16:41-).
   # The checks of the 2026-12-05 (02:50) changes, STEP (several in one call:
   # STEP="1 2 3"): 1 the attention GPU tests at real sizes and every head
   # dim (the "triton" heuristic's row halves at head dim 128, its bands of
@@ -253,7 +253,9 @@ if [[ $what == pending ]]; then
            ${ROUNDS:-3} 64 ${LENS:-1024,2048} forward 16 2>&1 \
            | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
        done ;;
-    # 34 (2026-12-07 14:55, not run: no device time left): needs
+    # 34 (2026-12-07 14:55; ran on an H100 at 16:48, 10 % slower, dropped;
+    # its tests then ran at 14 processes and hit the 80 GB card's memory,
+    # hence JOBS 4 in 33 and 34): needs
     # `git cherry-pick --no-commit 4191324` first. FWD_QK_AHEAD = 2: a turn
     # issues P_{j-1} V, then Q K_j^T, and passes the token once P V is done,
     # so the consumers stay staggered (what step 33's variant lost) without
@@ -263,7 +265,7 @@ if [[ $what == pending ]]; then
        timeout ${AB_S:-150} python3 benchmarks/attention_mosaic_flag_ab.py "$OUT/ahead_2" \
          FWD_QK_AHEAD "None,2" forward "${SHAPES:-B8,GQA}" 2>&1 \
          | grep -v "cuda_timer\|Delay kernel" | tee "$OUT/ahead_2/log.txt" | grep "^{"
-       pt ${TEST_S:-150} tests/test_attention.py -k qk_ahead | tee "$OUT/pending_34_tests.log" ;;
+       JOBS=${JOBS:-4} pt ${TEST_S:-150} tests/test_attention.py -k qk_ahead | tee "$OUT/pending_34_tests.log" ;;
     # 33 (2026-12-07 14:20; ran on an H100 14:41 without its tests, dropped;
     # needs `git cherry-pick --no-commit eae8db4`): FWD_QK_AHEAD, a turn's Q K_j^T and P_{j-1} V
     # issued back to back (wait for both): forward A/Bs against the shipped
@@ -275,7 +277,7 @@ if [[ $what == pending ]]; then
            | tee "$OUT/$1/log.txt" | grep "^{"; }
        ab ahead_seed "FWD_QK_AHEAD,_PRODUCER_REGS" "(None,40),(0,24)" seed
        ab ahead_h128 FWD_QK_AHEAD "None,0" B8
-       pt ${TEST_S:-150} tests/test_attention.py -k qk_ahead | tee "$OUT/pending_33_tests.log" ;;
+       JOBS=${JOBS:-4} pt ${TEST_S:-150} tests/test_attention.py -k qk_ahead | tee "$OUT/pending_33_tests.log" ;;
     # 32 (2026-12-07 13:45): GQA (N32 K8 H128) forward+backward where the
     # causal training rule (T 2048-4096 up to 524288 rows) has no data:
     # T 8192 at B1 and B2 (262144, 524288 rows), and B8 at T 2048-4096
