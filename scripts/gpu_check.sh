@@ -13,6 +13,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
   --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 status=0
+# Test processes sharing the GPU: 14 fit the H200's 141 GB; on an 80 GB
+# H100, 8 processes ran out of memory in the real-size tests (2026-12-07
+# 16:41), 3-4 did not.
+MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if [[ ${MEM_MB:-0} -gt 100000 ]]; then DEFAULT_JOBS=14; else DEFAULT_JOBS=4; fi
 # Text pages of the Nsight Compute report /tmp/ncu/$1.ncu-rep: details, raw
 # metrics (CSV) and per-instruction SASS samples (CSV).
 ncu_pages() {
@@ -66,7 +71,7 @@ if [[ $what == pending ]]; then
   # step 2 the one-feature layer norm (dx exactly 0). Step 2t: its tests
   # only, 2b: its benchmark only.
   pt() { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 "$1" python3 -m pytest -q \
-    -n ${JOBS:-14} -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}" 2>&1 \
+    -n ${JOBS:-$DEFAULT_JOBS} -p no:cacheprovider -rfE --tb=short -m gpu "${@:2}" 2>&1 \
     | grep -v "PytestBenchmarkWarning\|warner(" | tail -25; }
   # The "mosaic" persistent-kernel GPU tests, logged as step $1's.
   persistent_tests() { pt 150 tests/test_attention.py -k "TestMosaicGpu and persistent" \
@@ -392,7 +397,7 @@ if [[ $what == gpu_tests ]]; then
       || { status=1; tail -5 "$OUT/demo.log"; }
     tail -4 "$OUT/demo.log"
   fi
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 ${TEST_S:-460} python3 -m pytest -q -n ${JOBS:-14} \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 ${TEST_S:-460} python3 -m pytest -q -n ${JOBS:-$DEFAULT_JOBS} \
     -p no:cacheprovider -rfE --tb=short --durations=15 --junitxml="$OUT/gpu_tests.xml" \
     -m gpu "${sel[@]}" 2>&1 | grep -v "PytestBenchmarkWarning\|warner(" | tee "$OUT/gpu_tests.log" | tail -30
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
@@ -467,7 +472,7 @@ if [[ $what == flag_ab ]]; then
     | tee "$OUT/ab.log" | tail -20
   timeout ${ACC_S:-120} python3 benchmarks/attention_accuracy.py "$OUT" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
     | tee "$OUT/accuracy.log" | tail -30
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 ${TEST_S:-240} python3 -m pytest -q -n ${JOBS:-14} \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 20 ${TEST_S:-240} python3 -m pytest -q -n ${JOBS:-$DEFAULT_JOBS} \
     -p no:cacheprovider -rfE --tb=short -m gpu tests/test_attention.py -k "${TESTS:-TestMosaicGpu}" 2>&1 \
     | grep -v "PytestBenchmarkWarning\|warner(" | tee "$OUT/gpu_tests.log" | tail -20
   exit
