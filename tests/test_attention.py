@@ -861,6 +861,23 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     t = 1000 if feature == "causal" and consumers == 3 else 300
     self.check(dataclasses.replace(c, t=t, s=t if c.s == c.t else 260), BF16, feature)
 
+  @pytest.mark.parametrize("feature, consumers, bk, persistent", [
+      ("causal", 3, 128, False), ("causal", 2, 64, True),
+      ("t_ne_s_causal", 3, 128, True), ("window_left_right", 2, 128, False),
+      ("combined_positional", 3, 64, True), ("q_lens", 2, 64, False)])
+  def test_reverse_causal_keys(self, monkeypatch, feature, consumers, bk, persistent):
+    """The forward streaming each tile's key blocks last block first
+    (REVERSE_CAUSAL_KEYS) under causal masks and windows: skip, masked and
+    half steps in reverse, the ring slots in stream order across persistent
+    tiles (3 CTAs), shifted tiles; non-causal calls keep the plain order."""
+    monkeypatch.setattr(mosaic_attn, "REVERSE_CAUSAL_KEYS", (2, 3))
+    monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
+    self.op = _mosaic_op(block_q=64, block_kv=bk, num_stages=2, consumers=consumers,
+                         persistent=persistent)
+    c = FEATURES[feature]
+    t = 1000 if feature == "causal" and consumers == 3 else 300
+    self.check(dataclasses.replace(c, t=t, s=t if c.s == c.t else 260), BF16, feature)
+
   @pytest.mark.parametrize("dq_delta", [True, False])
   @pytest.mark.parametrize("feature, consumers, persistent, shift", [
       ("causal", 3, True, True), ("q_lens", 2, True, False),
@@ -1087,6 +1104,19 @@ def test_mosaic_fwd_q_regs_lowers_for_cuda(monkeypatch, causal, consumers):
                   persistent=True)
   with tokamax.config.cross_compile("NVIDIA H200"):
     text = _lower_text(lambda q: op(q, q, q, is_causal=causal), q)
+  assert text.count(MOSAIC_TARGET) == 1
+
+
+@pytest.mark.parametrize("consumers, persistent", [(3, True), (3, False), (2, True)])
+def test_mosaic_reverse_causal_keys_lowers_for_cuda(monkeypatch, consumers, persistent):
+  """The causal forward streaming key blocks last first (REVERSE_CAUSAL_KEYS)
+  lowers for an H200 at the seed shape."""
+  monkeypatch.setattr(mosaic_attn, "REVERSE_CAUSAL_KEYS", (2, 3))
+  q = jax.ShapeDtypeStruct((32, 2048, 16, 64), BF16)
+  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
+                  persistent=persistent)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    text = _lower_text(lambda q: op(q, q, q, is_causal=True), q)
   assert text.count(MOSAIC_TARGET) == 1
 
 
@@ -1468,6 +1498,22 @@ class TestMosaicGpu(AttentionTestBase):
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          consumers=consumers, persistent=True)
     self.check(_real_size_case(feature), BF16)
+
+  @pytest.mark.parametrize("feature, h, consumers, persistent", [
+      ("causal", 64, 3, True), ("causal", 64, 3, False), ("causal", 128, 2, True),
+      ("window", 64, 2, True)])
+  def test_reverse_causal_keys_real_size(self, monkeypatch, feature, h, consumers,
+                                         persistent):
+    """The forward streaming key blocks last first (REVERSE_CAUSAL_KEYS) on
+    the GPU: causal, and a two-sided window with T > S."""
+    monkeypatch.setattr(mosaic_attn, "REVERSE_CAUSAL_KEYS", (2, 3))
+    self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
+                         consumers=consumers, persistent=persistent)
+    case = _real_size_case("causal", h)
+    if feature == "window":
+      case = dataclasses.replace(case, t=1100, s=1000,
+                                 kwargs=(("local_window_size", (300, 20)),))
+    self.check(case, BF16)
 
   @pytest.mark.parametrize("config", sorted(
       mosaic_attn.search_space(1024, 1024, 128, 128, 2), key=str))

@@ -251,6 +251,19 @@ SHIFT_CAUSAL_TILES = ("fwd",)
 # rounds), about 0.04 non-causal and 0.01-0.03 at H128 by the kernels' sums
 # (docs/benchmarks.md 2026-12-06 09:47).
 DQ_DELTA = True
+# Forward under a causal/right window without bias/mask tiles: each tile's
+# key blocks stream last (diagonal) block first, as FlashAttention-3 orders
+# its masked iterations. In 128-key order the tile's last block is seen by
+# one 64-row consumer only (the others skip it), so its Q K^T, softmax and
+# P V run alone at the end of the tile with the tensor cores idle, and the
+# next tile waits for them; first, that lone step overlaps the other
+# consumers' first products instead. The consumer counts it applies to:
+# three (the 192-row tiles, where the skip happens). H100, 2026-12-07,
+# forward, 2 rounds each: seed shape causal 0.660 / 0.658 -> 0.639 / 0.636
+# ms (3.3 % faster); with two consumers (no skip steps at 128-key blocks)
+# it was -3 to +3 % on small head-dim-64 grids and +0.1 to +0.6 % at head
+# dim 128 causal (docs/benchmarks.md 2026-12-07 19:20).
+REVERSE_CAUSAL_KEYS = (3,)
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -449,20 +462,34 @@ def _ring(lo, k0, stages: int):
   return lambda j: lax.rem(j - start, jnp.int32(stages))
 
 
+def _key_order(lo, hi, reverse: bool):
+  """t -> the key block a tile streams t-th (t in [lo, hi), ring slot t):
+  block t, or with `reverse` block lo + hi - 1 - t (last block first)."""
+  return (lambda t: lo + hi - 1 - t) if reverse else (lambda t: t)
+
+
+def _reversed_segments(segments, lo, hi):
+  """(start, stop, mode) block ranges of [lo, hi) as `_key_order(reverse=
+  True)` positions: the last range first."""
+  return [(lo + hi - stop, lo + hi - start, mode) for start, stop, mode in
+          reversed(segments)]
+
+
 def _run_producer(query_tile, count, ctas: int, stages: int, issue, drain,
-                  interpret: bool):
+                  interpret: bool, reverse: bool = False):
   """The producer WG: its registers lowered, every key block of the CTA's
-  tiles through issue(b, kv head, j, slot, wait_free); the ring's first
-  `stages` blocks (over all tiles) go into empty slots. Then drain(slot)
-  for the last `stages` blocks (the interpreter checks that every waiter
-  saw every barrier phase; on the GPU this only idles the producer)."""
+  tiles through issue(b, kv head, j, slot, wait_free), in the order of
+  `_key_order(reverse)`; the ring's first `stages` blocks (over all tiles)
+  go into empty slots. Then drain(slot) for the last `stages` blocks (the
+  interpreter checks that every waiter saw every barrier phase; on the GPU
+  this only idles the producer)."""
   if not interpret:
     plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
 
   def tile_fn(i, k0):
     b, _, _, kh, _, _, _, lo, hi = query_tile(i)
-    slot_of = _ring(lo, k0, stages)
-    step = lambda j, wait: issue(b, kh, j, slot_of(j), wait)
+    slot_of, block = _ring(lo, k0, stages), _key_order(lo, hi, reverse)
+    step = lambda t, wait: issue(b, kh, block(t), slot_of(t), wait)
     fill = stages if k0 is None else jnp.maximum(stages - k0, 0)
     first = jnp.minimum(lo + fill, hi)
     pl.loop(lo, first)(lambda j: step(j, False))
@@ -699,6 +726,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
                      bias_ref is not None or mask_ref is not None)
   wg, count, query_tile = _query_tiles(
       sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, ctas, shift)
+  reverse = (nc in REVERSE_CAUSAL_KEYS and sp.right is not None
+             and bias_ref is None and mask_ref is None)
 
   # Tensor-core turns. A turn issues a step's P V and the next step's Q K^T.
   # Two consumers: a rendezvous barrier (2 arrivals) after each Q K^T issue
@@ -741,6 +770,10 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     # (P V's contraction must stay a multiple of 64: bk >= 128.)
     if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
       segments = _split_last_half(sp, segments, r0, bq, bk, rows_lim, kv_lim)
+    # Steps t in [lo, hi) in stream order: ring slot t holds key block(t).
+    block = _key_order(lo, hi, reverse)
+    if reverse:
+      segments = _reversed_segments(segments, lo, hi)
     q_tile = q_smem.at[wg]
     if not ctas:
       load_q(b, n, r0)
@@ -774,30 +807,30 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
         z = jnp.where(vis, z, -jnp.inf)
       return z
 
-    def wait_next_k(j):
-      # Step j + 1's keys: waited while step j's P V runs (FA3, Sec. 3.1).
-      @pl.when(j + 1 < hi)
+    def wait_next_k(t):
+      # Step t + 1's keys: waited while step t's P V runs (FA3, Sec. 3.1).
+      @pl.when(t + 1 < hi)
       def _():
-        plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
+        plgpu.barrier_wait(k_ready.at[slot_of(t + 1)])
 
-    def last_qk_done(j):
+    def last_qk_done(t):
       if ctas:
-        pl.when(j == hi - 1)(lambda: prefetch_q(i))
+        pl.when(t == hi - 1)(lambda: prefetch_q(i))
 
     load_tiles = _tile_loader(sp, bias_ref, mask_ref, b, r0, bk,
                               pl.cdiv(sp.s, bk) - 1, (bq, bk))
 
-    def step(j, carry, mode):
+    def step(t, carry, mode):
       m, l, acc, tiles = carry
-      slot = slot_of(j)
+      slot, j = slot_of(t), block(t)
       if mode == "skip":  # a block only the other consumer sees
         with jax.named_scope("skip"):
-          last_qk_done(j)
+          last_qk_done(t)
           tiles = load_tiles(n, j, 1)
           plgpu.barrier_arrive(k_free.at[slot])
           pass_turn()
           take_turn(slot)
-          wait_next_k(j)
+          wait_next_k(t)
           plgpu.barrier_arrive(v_free.at[slot])
         return m, l, acc, tiles
 
@@ -818,7 +851,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
         return s, nxt
 
       qk, nxt = pl.run_scoped(qk_product, plgpu.ACC((bq, width), jnp.float32))
-      last_qk_done(j)
+      last_qk_done(t)
       bias, mask = tiles
       with jax.named_scope("softmax"):
         plgpu.barrier_arrive(k_free.at[slot])
@@ -858,7 +891,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
 
         def pv_product(acc_ref):
           plgpu.wgmma(acc_ref, p_tile, v_tile)
-          wait_next_k(j)
+          wait_next_k(t)
           return acc_ref[...]
 
         acc = acc + pl.run_scoped(pv_product, plgpu.ACC((bq, hvp), jnp.float32))
@@ -868,7 +901,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
           plgpu.wgmma(acc_ref, p16, v_tile)
           if sum_under_pv:  # issued after the async wgmma, before its wait
             l_ref[...] = l_ref[...] + p.sum(axis=1)
-          wait_next_k(j)
+          wait_next_k(t)
 
         with jax.named_scope("pv"):
           acc, l_out = pl.run_state(pv_product)(
@@ -945,7 +978,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     plgpu.barrier_wait(v_free.at[slot])
 
   pl.when(wg == nc)(lambda: _run_producer(
-      query_tile, count, ctas, stages, issue, drain, interpret))
+      query_tile, count, ctas, stages, issue, drain, interpret, reverse))
 
 
 def attention_forward(args, config: MosaicAttentionConfig, return_residuals: bool):
