@@ -1093,18 +1093,23 @@ def test_mosaic_dkdv_kv_regs_lowers_for_cuda(monkeypatch, causal, persistent, wi
   assert text.count(MOSAIC_TARGET) == 3  # forward, dk/dv, dq
 
 
+def _forward_kernels_lowered(shape, causal, consumers, persistent):
+  """Mosaic GPU calls in the forward lowered for an H200 at q = k = v of
+  `shape` (64-row consumers, 128-key steps, 2 stages)."""
+  q = jax.ShapeDtypeStruct(shape, BF16)
+  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
+                  persistent=persistent)
+  with tokamax.config.cross_compile("NVIDIA H200"):
+    return _lower_text(lambda q: op(q, q, q, is_causal=causal), q).count(MOSAIC_TARGET)
+
+
 @pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_fwd_q_regs_lowers_for_cuda(monkeypatch, causal, consumers):
   """The forward with Q as the register operand of q k^T (FWD_Q_REGS) lowers
   for an H200."""
   monkeypatch.setattr(mosaic_attn, "FWD_Q_REGS", True)
-  q = jax.ShapeDtypeStruct((4, 2048, 8, 64), BF16)
-  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
-                  persistent=True)
-  with tokamax.config.cross_compile("NVIDIA H200"):
-    text = _lower_text(lambda q: op(q, q, q, is_causal=causal), q)
-  assert text.count(MOSAIC_TARGET) == 1
+  assert _forward_kernels_lowered((4, 2048, 8, 64), causal, consumers, True) == 1
 
 
 @pytest.mark.parametrize("consumers, persistent", [(3, True), (3, False), (2, True)])
@@ -1112,22 +1117,13 @@ def test_mosaic_reverse_causal_keys_lowers_for_cuda(monkeypatch, consumers, pers
   """The causal forward streaming key blocks last first (REVERSE_CAUSAL_KEYS)
   lowers for an H200 at the seed shape."""
   monkeypatch.setattr(mosaic_attn, "REVERSE_CAUSAL_KEYS", (2, 3))
-  q = jax.ShapeDtypeStruct((32, 2048, 16, 64), BF16)
-  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=consumers,
-                  persistent=persistent)
-  with tokamax.config.cross_compile("NVIDIA H200"):
-    text = _lower_text(lambda q: op(q, q, q, is_causal=True), q)
-  assert text.count(MOSAIC_TARGET) == 1
+  assert _forward_kernels_lowered((32, 2048, 16, 64), True, consumers, persistent) == 1
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_mosaic_three_consumers_lower_for_cuda(causal):
   """The token-ring forward (4 warpgroups) lowers at the seed shape."""
-  q = jax.ShapeDtypeStruct((32, 2048, 16, 64), BF16)
-  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=3)
-  with tokamax.config.cross_compile("NVIDIA H200"):
-    text = _lower_text(lambda q, k, v: op(q, k, v, is_causal=causal), q, q, q)
-  assert text.count(MOSAIC_TARGET) == 1
+  assert _forward_kernels_lowered((32, 2048, 16, 64), causal, 3, False) == 1
 
 
 @pytest.mark.parametrize("causal", [False, True])
