@@ -258,6 +258,18 @@ if [[ $what == pending ]]; then
            ${ROUNDS:-3} 64 ${LENS:-1024,2048} forward 16 2>&1 \
            | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
        done ;;
+    # 35 (2026-12-07 20:40, not yet run): REVERSE_CAUSAL_KEYS (shipped for
+    # three consumers at 19:40 from forward A/Bs on an H100). Per-kernel
+    # forward+backward A/B at the seed shape causal and B64 T1024 (the
+    # forward+backward A/B did not move although the forward gained 3 %),
+    # then the "mosaic" real-size and persistent GPU tests at the default.
+    35) mkdir -p "$OUT/reverse_keys"
+       PAUSE_S=1 timeout ${AB_S:-200} python3 benchmarks/attention_variance.py "$OUT/reverse_keys" \
+         ${ROUNDS:-4} "seed causal,short causal" REVERSE_CAUSAL_KEYS "(),(3,)" 2>&1 \
+         | grep -v "cuda_timer\|Delay kernel" | tail -14
+       pt ${TEST_S:-240} tests/test_attention.py \
+         -k "TestMosaicGpu and (test_real_size or persistent_real_size or reverse_causal or deterministic)" \
+         | tee "$OUT/pending_35_tests.log" ;;
     # 34 (2026-12-07 14:55; ran on an H100 at 16:48, 10 % slower, dropped;
     # its tests then ran at 14 processes and hit the 80 GB card's memory,
     # hence JOBS 4 in 33 and 34): needs
