@@ -722,12 +722,11 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
   if o_smem is None:
     o_smem = q_smem
   dtype = q_ref.dtype
-  shift = _row_shift("fwd", sp, q_ref.shape[1], bq, nc,
-                     bias_ref is not None or mask_ref is not None)
+  no_tiles = bias_ref is None and mask_ref is None
+  shift = _row_shift("fwd", sp, q_ref.shape[1], bq, nc, not no_tiles)
   wg, count, query_tile = _query_tiles(
       sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, ctas, shift)
-  reverse = (nc in REVERSE_CAUSAL_KEYS and sp.right is not None
-             and bias_ref is None and mask_ref is None)
+  reverse = nc in REVERSE_CAUSAL_KEYS and sp.right is not None and no_tiles
 
   # Tensor-core turns. A turn issues a step's P V and the next step's Q K^T.
   # Two consumers: a rendezvous barrier (2 arrivals) after each Q K^T issue
@@ -768,7 +767,7 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
     segments = _clamp_ranges(triton.blocks_seen(
         r0, bq, bk, rows_lim, kv_lim, sp.left, sp.right, strict=False), lo, hi)
     # (P V's contraction must stay a multiple of 64: bk >= 128.)
-    if HALF_LAST_BLOCK and bk % 128 == 0 and bias_ref is None and mask_ref is None:
+    if HALF_LAST_BLOCK and bk % 128 == 0 and no_tiles:
       segments = _split_last_half(sp, segments, r0, bq, bk, rows_lim, kv_lim)
     # Steps t in [lo, hi) in stream order: ring slot t holds key block(t).
     block = _key_order(lo, hi, reverse)
