@@ -17,7 +17,10 @@ once per value and every round times each (an
 A/B per kernel under the same clocks). Environment SET ("NAME=VALUE,...")
 sets constants of the mosaic module for every variant first. PAUSE_S: seconds
 of idle before each timed round (default 0), so that the software power
-cap's clock drops hit fewer rounds. nvidia-smi samples the SM clock,
+cap's clock drops hit fewer rounds. MODE: what is timed, "forward_and_vjp"
+(default), "forward" (inference) or "residuals" (the training forward
+alone: the primal output of jax.vjp, its kernel saving the softmax
+statistics). nvidia-smi samples the SM clock,
 power and throttle reasons every 50 ms meanwhile. Writes each round's
 per-kernel medians and the clock samples of that round to
 attention_variance.json, then prints each variant's per-round % change per
@@ -128,6 +131,10 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
   log = tempfile.NamedTemporaryFile("w+", suffix=".csv")
   smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_SMI_FIELDS}",
                           "--format=csv,noheader", "-lms", "50"], stdout=log)
+  mode = os.environ.get("MODE", "forward_and_vjp")
+  if mode not in ("forward_and_vjp", "forward", "residuals"):
+    raise ValueError(f"MODE {mode!r}: forward_and_vjp, forward or residuals")
+  bench_mode = "forward" if mode == "residuals" else mode
   rows = []
   try:
     for label, (b, t, n, kh, h, causal) in SHAPES.items():
@@ -152,12 +159,15 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
           fns[name] = functools.partial(op, is_causal=causal)
       fns["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")
+      if mode == "residuals":
+        fns = {name: functools.partial(lambda fn, *a: jax.vjp(fn, *a)[0], fn)
+               for name, fn in fns.items()}
       compiled = {}
       for impl, fn in fns.items():
         module_flag = flag and not flag.startswith(_CONFIG_FLAGS)
         if module_flag and impl in variants:  # the module reads it while tracing
           setattr(module, flag, variants[impl])
-        f_std, args = benchmarking.standardize_function(fn, q, kv, kv, mode="forward_and_vjp")
+        f_std, args = benchmarking.standardize_function(fn, q, kv, kv, mode=bench_mode)
         compiled[impl] = (f_std, jax.jit(f_std).lower(*args).compile())
         del args
         if module_flag:
@@ -165,12 +175,12 @@ def main(out_dir=".", rounds="6", words="seed B32,H128", flag="", values=""):
       for r in range(rounds):
         for impl, (f_std, comp) in compiled.items():
           _, args = benchmarking.standardize_function(
-              fns[impl], q, kv, kv, mode="forward_and_vjp", seed=r + 1)
+              fns[impl], q, kv, kv, mode=bench_mode, seed=r + 1)
           jax.block_until_ready(comp(*args))  # warm-up
           time.sleep(float(os.environ.get("PAUSE_S", "0")))
           start = datetime.datetime.now()
           total, kernels = _round(comp, args)
-          rows.append(dict(shape=label, causal=causal, impl=impl, round=r,
+          rows.append(dict(shape=label, causal=causal, impl=impl, round=r, mode=mode,
                            total_ms=total, kernels_ms=kernels, start=start.isoformat(),
                            end=datetime.datetime.now().isoformat()))
           print({k: v for k, v in rows[-1].items() if k != "kernels_ms"},

@@ -258,7 +258,19 @@ if [[ $what == pending ]]; then
            ${ROUNDS:-3} 64 ${LENS:-1024,2048} forward 16 2>&1 \
            | grep -v "cuda_timer\|Delay kernel" | tee "$d/log.txt" | grep "^B"
        done ;;
-    # 35 (2026-12-07 20:40, not yet run): REVERSE_CAUSAL_KEYS (shipped for
+    # 36 (2026-12-07 23:05; ran on an H100 23:09): REVERSE_CAUSAL_KEYS per
+    # kernel in each MODE of attention_variance.py (inference forward, the
+    # forward saving lse, forward+backward), then the persistent tests.
+    36) for m in ${MODES:-forward residuals forward_and_vjp}; do mkdir -p "$OUT/ab_$m"
+         MODE=$m PAUSE_S=1 timeout ${AB_S:-140} python3 benchmarks/attention_variance.py \
+           "$OUT/ab_$m" ${ROUNDS:-4} "${SHAPES:-seed causal,short causal}" \
+           REVERSE_CAUSAL_KEYS "(),(3,)" 2>&1 | grep -v "cuda_timer\|Delay kernel" \
+           | grep -A4 "against" | tee "$OUT/ab_$m/log.txt"
+       done
+       persistent_tests 36 ;;
+    # 35 (2026-12-07 20:40; ran on an H100 22:55: forward kernel +0.8 to
+    # +2.3 % at the seed shape causal, -2.3 to -4.0 % at B64 T1024; one test
+    # ran out of memory at 4 processes, passed alone): REVERSE_CAUSAL_KEYS (shipped for
     # three consumers at 19:40 from forward A/Bs on an H100). Per-kernel
     # forward+backward A/B at the seed shape causal and B64 T1024 (the
     # forward+backward A/B did not move although the forward gained 3 %),

@@ -871,6 +871,7 @@ class TestMosaicInterpretManyBlocks(_MosaicInterpretMixin, AttentionTestBase):
     half steps in reverse, the ring slots in stream order across persistent
     tiles (3 CTAs), shifted tiles; non-causal calls keep the plain order."""
     monkeypatch.setattr(mosaic_attn, "REVERSE_CAUSAL_KEYS", (2, 3))
+    monkeypatch.setattr(mosaic_attn, "REVERSE_WITH_RESIDUALS", True)
     monkeypatch.setattr(mosaic_attn, "PERSISTENT_CTAS", 3)
     self.op = _mosaic_op(block_q=64, block_kv=bk, num_stages=2, consumers=consumers,
                          persistent=persistent)
@@ -1118,6 +1119,32 @@ def test_mosaic_reverse_causal_keys_lowers_for_cuda(monkeypatch, consumers, pers
   lowers for an H200 at the seed shape."""
   monkeypatch.setattr(mosaic_attn, "REVERSE_CAUSAL_KEYS", (2, 3))
   assert _forward_kernels_lowered((32, 2048, 16, 64), True, consumers, persistent) == 1
+
+
+def test_mosaic_reverse_causal_keys_inference_only(monkeypatch):
+  """By default only the inference forward streams key blocks last first: the
+  gradient's forward (saving lse) traces as in key order unless
+  REVERSE_WITH_RESIDUALS; the inference forward does not."""
+  assert mosaic_attn.REVERSE_CAUSAL_KEYS == (3,) and not mosaic_attn.REVERSE_WITH_RESIDUALS
+  q = jax.ShapeDtypeStruct((2, 1024, 4, 64), BF16)
+  op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=3, persistent=True)
+  loss = lambda q: jnp.sum(op(q, q, q, is_causal=True).astype(F32))
+
+  def lowered(reverse, with_residuals):
+    monkeypatch.setattr(mosaic_attn, "REVERSE_CAUSAL_KEYS", reverse)
+    monkeypatch.setattr(mosaic_attn, "REVERSE_WITH_RESIDUALS", with_residuals)
+    # Jaxprs with the kernel bodies (the lowered text carries a kernel hash
+    # that differs between two lowerings of one function).
+    with tokamax.config.cross_compile("NVIDIA H200"):
+      return (str(jax.make_jaxpr(lambda q: op(q, q, q, is_causal=True))(q)),
+              str(jax.make_jaxpr(jax.grad(loss))(q)))
+
+  key_fwd, key_grad = lowered((), False)
+  rev_fwd, rev_grad = lowered((3,), False)  # the defaults
+  _, rev_grad_all = lowered((3,), True)
+  assert rev_fwd != key_fwd
+  assert rev_grad == key_grad
+  assert rev_grad_all != key_grad
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -1503,6 +1530,7 @@ class TestMosaicGpu(AttentionTestBase):
     """The forward streaming key blocks last first (REVERSE_CAUSAL_KEYS) on
     the GPU: causal, and a two-sided window with T > S."""
     monkeypatch.setattr(mosaic_attn, "REVERSE_CAUSAL_KEYS", (2, 3))
+    monkeypatch.setattr(mosaic_attn, "REVERSE_WITH_RESIDUALS", True)
     self.op = _mosaic_op(block_q=64, block_kv=128, num_stages=2,
                          consumers=consumers, persistent=persistent)
     case = _real_size_case("causal", h)

@@ -264,6 +264,13 @@ DQ_DELTA = True
 # it was -3 to +3 % on small head-dim-64 grids and +0.1 to +0.6 % at head
 # dim 128 causal (docs/benchmarks.md 2026-12-07 19:20).
 REVERSE_CAUSAL_KEYS = (3,)
+# Whether the forward that saves the softmax statistics for the VJP
+# reverses too. Per-kernel A/B on an H100, 2026-12-07 23:10 (4 alternating
+# rounds, 3 consumers): the inference forward gained 3.2 % at the seed shape
+# causal and 7 % at B64 T1024, but the forward that also stores lse lost
+# 1.4 % at the seed shape (gained 3.2 % at B64 T1024), with the same
+# registers and spills; unexplained, so training keeps key order.
+REVERSE_WITH_RESIDUALS = False
 
 
 def _consumer_regs(consumers: int) -> int:
@@ -726,7 +733,8 @@ def _fwd_kernel(*refs, sp, bq: int, bk: int, stages: int, hp: int, hvp: int,
   shift = _row_shift("fwd", sp, q_ref.shape[1], bq, nc, not no_tiles)
   wg, count, query_tile = _query_tiles(
       sp, q_ref, q_len_ref, kv_len_ref, bq, bk, nc, ctas, shift)
-  reverse = nc in REVERSE_CAUSAL_KEYS and sp.right is not None and no_tiles
+  reverse = (nc in REVERSE_CAUSAL_KEYS and sp.right is not None and no_tiles
+             and (REVERSE_WITH_RESIDUALS or not save_lse))
 
   # Tensor-core turns. A turn issues a step's P V and the next step's Q K^T.
   # Two consumers: a rendezvous barrier (2 arrivals) after each Q K^T issue
