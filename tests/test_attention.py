@@ -1130,7 +1130,7 @@ def test_mosaic_reverse_causal_keys_inference_only(monkeypatch):
   op = _mosaic_op(block_q=64, block_kv=128, num_stages=2, consumers=3, persistent=True)
   loss = lambda q: jnp.sum(op(q, q, q, is_causal=True).astype(F32))
 
-  def lowered(reverse, with_residuals):
+  def traced(reverse, with_residuals):
     monkeypatch.setattr(mosaic_attn, "REVERSE_CAUSAL_KEYS", reverse)
     monkeypatch.setattr(mosaic_attn, "REVERSE_WITH_RESIDUALS", with_residuals)
     # Jaxprs with the kernel bodies (the lowered text carries a kernel hash
@@ -1139,9 +1139,9 @@ def test_mosaic_reverse_causal_keys_inference_only(monkeypatch):
       return (str(jax.make_jaxpr(lambda q: op(q, q, q, is_causal=True))(q)),
               str(jax.make_jaxpr(jax.grad(loss))(q)))
 
-  key_fwd, key_grad = lowered((), False)
-  rev_fwd, rev_grad = lowered((3,), False)  # the defaults
-  _, rev_grad_all = lowered((3,), True)
+  key_fwd, key_grad = traced((), False)
+  rev_fwd, rev_grad = traced((3,), False)  # the defaults
+  _, rev_grad_all = traced((3,), True)
   assert rev_fwd != key_fwd
   assert rev_grad == key_grad
   assert rev_grad_all != key_grad

@@ -265,7 +265,7 @@ DQ_DELTA = True
 # dim 128 causal (docs/benchmarks.md 2026-12-07 19:20).
 REVERSE_CAUSAL_KEYS = (3,)
 # Whether the forward that saves the softmax statistics for the VJP
-# reverses too. Per-kernel A/B on an H100, 2026-12-07 23:10 (4 alternating
+# reverses too. Per-kernel A/B on an H100, 2026-12-07 23:09 (4 alternating
 # rounds, 3 consumers): the inference forward gained 3.2 % at the seed shape
 # causal and 7 % at B64 T1024, but the forward that also stores lse lost
 # 1.4 % at the seed shape (gained 3.2 % at B64 T1024), with the same
